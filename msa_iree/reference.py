@@ -169,6 +169,7 @@ def sparse_paged_attend(q, k_cache, v_cache, sparse_bt, sparse_ctx, num_kv_heads
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     probs = torch.where(sparse_ctx[:, None, None] > 0, probs, 0.0)  # empty rows attend nothing
+    v = torch.where(visible[:, :, None], v, 0.0)  # never let bytes past ctx (maybe NaN) into the sum
     o = torch.einsum("rgn,rnd->rgd", probs, v)
     out.copy_(o.reshape(num_tokens, num_heads, HEAD_DIM).to(out.dtype))
     return out

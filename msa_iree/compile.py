@@ -1,0 +1,166 @@
+"""Lower kernels to vmfb modules: export (iree-turbine) -> MLIR -> iree.compiler, per target.
+
+`build()` writes one vmfb per kernel variant plus `manifest.json` into an output directory,
+atomically (temp file + rename, manifest last), skipping kernels whose content key (the kernel
+sources, the spec, the flags and the tool versions) is unchanged. A shared content-addressed
+cache (`MSA_IREE_CACHE`, default ~/.cache/msa-iree) lets tests and builds reuse modules.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+import time
+from importlib import metadata
+
+from . import __version__
+from .kernels import KernelSpec, kernel_set
+
+TARGETS: dict[str, list[str]] = {
+    "host": ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
+             "--iree-llvmcpu-target-cpu=host"],
+    "gfx942": ["--iree-hal-target-device=hip", "--iree-rocm-target=gfx942"],
+    "cuda": ["--iree-hal-target-device=cuda", "--iree-cuda-target=sm_80"],
+}
+# The IREE runtime driver that runs each target's modules.
+DRIVERS = {"host": "local-task", "gfx942": "hip", "cuda": "cuda"}
+# Where each target's modules can be run and therefore verified.
+VERIFIED_ON = {"host": "tested on the host CPU by the test suite",
+               "cuda": "runs on NVIDIA GPUs (sm_80 PTX, JIT on newer); benchmarked on an H200",
+               "gfx942": "compiled and inspected only: no AMD GPU was available to run it"}
+_SOURCES = ("kernels.py", "layout.py", "config.py", "compile.py")
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+def iree_version() -> str:
+    return metadata.version("iree-base-compiler")
+
+
+def runtime_version() -> str:
+    return metadata.version("iree-base-runtime")
+
+
+def check_target(target: str) -> str:
+    if target not in TARGETS:
+        raise ValueError(f"target: expected one of {sorted(TARGETS)}, got {target!r}")
+    return target
+
+
+def cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("MSA_IREE_CACHE", pathlib.Path.home() / ".cache" / "msa-iree"))
+
+
+def _source_digest() -> str:
+    here = pathlib.Path(__file__).parent
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((here / name).read_bytes())
+    return h.hexdigest()
+
+
+def content_key(spec: KernelSpec, target: str, extra_flags=()) -> str:
+    payload = json.dumps({"spec": spec.describe(), "name": spec.name, "flags": TARGETS[target] + list(extra_flags),
+                          "iree": iree_version(), "torch": metadata.version("torch"),
+                          "turbine": metadata.version("iree-turbine"), "sources": _source_digest()},
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def export_mlir(spec: KernelSpec) -> str:
+    """Trace the kernel's torch formulation to MLIR (torch dialect, dynamic dims symbolic)."""
+    import warnings
+
+    import iree.turbine.aot as aot
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = aot.export(spec.module(), args=spec.example_args(), dynamic_shapes=spec.dynamic_shapes(),
+                              strict_export=False)
+    return str(exported.mlir_module)
+
+
+def compile_mlir(mlir: str, target: str, extra_flags=()) -> bytes:
+    import iree.compiler as ic
+
+    try:
+        return ic.compile_str(mlir, input_type="auto", extra_args=TARGETS[target] + list(extra_flags))
+    except ic.CompilerToolError as e:
+        raise CompileError(f"iree-compile failed for target {target}: {str(e)[:4000]}") from None
+
+
+def _atomic_write(path: pathlib.Path, data: bytes):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def compiled_module(spec: KernelSpec, target: str, extra_flags=(), mlir_dir=None) -> tuple[bytes, str, bool]:
+    """(vmfb bytes, content key, cache_hit) through the shared content-addressed cache."""
+    key = content_key(spec, target, extra_flags)
+    cached = cache_dir() / target / f"{spec.name}.{key[:16]}.vmfb"
+    if cached.exists() and mlir_dir is None:
+        return cached.read_bytes(), key, True
+    mlir = export_mlir(spec)
+    if mlir_dir is not None:
+        _atomic_write(pathlib.Path(mlir_dir) / f"{spec.name}.mlir", mlir.encode())
+    vmfb = compile_mlir(mlir, target, extra_flags)
+    _atomic_write(cached, vmfb)
+    return vmfb, key, False
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def build(cfg, targets, out_root=None, *, strides=(16, 8), emit_mlir=False, extra_flags=(), log=print,
+          specs=None) -> dict[str, pathlib.Path]:
+    """Build the kernel set of `cfg` for each target into `out_root/<target>` (or `build/<target>`).
+
+    Returns {target: manifest path}. Progress goes through `log`, one line per kernel.
+    """
+    results = {}
+    for target in targets:
+        check_target(target)
+        out = pathlib.Path(out_root or "build") / target if out_root is None or len(targets) > 1 \
+            else pathlib.Path(out_root)
+        out.mkdir(parents=True, exist_ok=True)
+        manifest_path = out / "manifest.json"
+        old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+        old_kernels = old.get("kernels", {})
+        kernels = {}
+        todo = specs if specs is not None else kernel_set(cfg, strides)
+        for i, spec in enumerate(todo, 1):
+            t0 = time.perf_counter()
+            key = content_key(spec, target, extra_flags)
+            vmfb_path = out / f"{spec.name}.vmfb"
+            entry = old_kernels.get(spec.name)
+            if (entry and entry["content_key"] == key and vmfb_path.exists() and not emit_mlir
+                    and sha256(vmfb_path.read_bytes()) == entry["sha256"]):
+                kernels[spec.name] = entry
+                log(f"[{target} {i}/{len(todo)}] {spec.name}: up to date")
+                continue
+            vmfb, key, hit = compiled_module(spec, target, extra_flags, mlir_dir=out / "mlir" if emit_mlir else None)
+            _atomic_write(vmfb_path, vmfb)
+            kernels[spec.name] = {"file": vmfb_path.name, "sha256": sha256(vmfb), "content_key": key,
+                                  **spec.describe()}
+            log(f"[{target} {i}/{len(todo)}] {spec.name}: {'cached' if hit else 'compiled'} "
+                f"({len(vmfb) // 1024} KiB, {time.perf_counter() - t0:.1f} s)")
+        manifest = {"msa_iree_version": __version__, "iree_compiler_version": iree_version(), "target": target,
+                    "driver": DRIVERS[target], "flags": TARGETS[target] + list(extra_flags),
+                    "verified": VERIFIED_ON[target], "config": cfg.__dict__ if cfg else None,
+                    "kernels": {**{k: v for k, v in old_kernels.items() if k not in kernels and (out / v["file"]).exists()},
+                                **kernels}}
+        _atomic_write(manifest_path, json.dumps(manifest, indent=1, sort_keys=True, default=str).encode())
+        results[target] = manifest_path
+    return results

@@ -1,0 +1,379 @@
+"""Run the compiled modules on torch tensors: module loading, MetadataBuilder, SparseAttention.
+
+Per step, `MetadataBuilder.build` does everything that needs the host (splits, positions, the
+page-16 rebase into its stable buffer, range checks, the insert's slot compaction). Per layer,
+`SparseAttention.forward` checks shapes and dtypes and calls one compiled module per phase.
+
+Host CPU (`local-task`) is what the tests run. On `cuda`/`hip` the same code runs once the
+modules are built for that target; there tensors still pass through host numpy (no DLPack
+zero-copy yet, see README "Status").
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import sys
+
+import numpy as np
+import torch
+
+from . import checks
+from .compile import DRIVERS, build, check_target, runtime_version
+from .config import DTYPES, MsaConfig, dtype_name
+from .kernels import (BuildDecodeTableSpec, InsertKvSpec, KernelSpec, RebaseBlockTableSpec, RebaseSlotsSpec,
+                      SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, storage_dtype)
+from .layout import BLOCK_SIZE, PAGES_PER_BLOCK, block_page_stride, sides_are_packed
+from .reference import query_token_positions
+
+
+class BuildMismatchError(RuntimeError):
+    """A build directory that does not belong to this runtime (version, target, checksum)."""
+
+
+# ---- torch <-> IREE --------------------------------------------------------------------------
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU numpy view of `t` that IREE accepts (bf16 as ml_dtypes, fp8 as raw bytes)."""
+    import ml_dtypes
+
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        return t.view(torch.uint8).numpy()
+    return t.numpy()
+
+
+def from_iree(arr, dtype: torch.dtype) -> torch.Tensor:
+    host = np.ascontiguousarray(arr.to_host() if hasattr(arr, "to_host") else arr)
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+    if dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        return torch.from_numpy(host.view(np.uint8)).view(dtype)
+    return torch.from_numpy(host.view(np.dtype(str(dtype).replace("torch.", ""))))
+
+
+def module_scale(scale, num_kv_heads):
+    """The modules' scale operand, [H, S] fp32: S = 1 for one scale (or none), else per-token slots."""
+    if scale is None:
+        return torch.ones(1, 1).expand(num_kv_heads, 1)
+    return scale.reshape(1, 1).expand(num_kv_heads, 1) if scale.numel() == 1 else scale
+
+
+# ---- module loading --------------------------------------------------------------------------
+
+
+class KernelLibrary:
+    """The compiled kernels of one target on one IREE device, loaded from a build directory.
+
+    A kernel missing from the build is compiled on demand into the shared cache (with a message
+    naming the `msa-iree compile` command that prebuilds it).
+    """
+
+    _devices: dict[str, object] = {}
+
+    def __init__(self, target: str = "host", build_dir=None, *, compile_missing=True, log=None):
+        import iree.runtime as rt
+
+        self.target = check_target(target)
+        self.driver = DRIVERS[target]
+        self.build_dir = pathlib.Path(build_dir) if build_dir else None
+        self.compile_missing = compile_missing
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        if self.driver not in KernelLibrary._devices:  # one device (and config) per driver per process
+            KernelLibrary._devices[self.driver] = rt.Config(self.driver)
+        self.config = KernelLibrary._devices[self.driver]
+        self.manifest = self._read_manifest() if self.build_dir else {"kernels": {}}
+        self._functions = {}
+
+    def _read_manifest(self):
+        path = self.build_dir / "manifest.json"
+        if not path.exists():
+            raise BuildMismatchError(f"build_dir: expected {path} (run `msa-iree compile --target {self.target} "
+                                     f"--out {self.build_dir}`), got no manifest")
+        m = json.loads(path.read_text())
+        if m.get("iree_compiler_version") != runtime_version():
+            raise BuildMismatchError(f"{path}: expected modules built by IREE {runtime_version()} (the installed "
+                                     f"runtime), got IREE {m.get('iree_compiler_version')}; rebuild with msa-iree compile")
+        if m.get("target") != self.target:
+            raise BuildMismatchError(f"{path}: expected target {self.target!r}, got {m.get('target')!r}")
+        return m
+
+    def function(self, spec: KernelSpec):
+        fn = self._functions.get(spec.name)
+        if fn is None:
+            fn = self._functions[spec.name] = self._load(spec)
+        return fn
+
+    def _load(self, spec):
+        import iree.runtime as rt
+
+        entry = self.manifest["kernels"].get(spec.name)
+        if entry is not None:
+            vmfb = (self.build_dir / entry["file"]).read_bytes()
+            if hashlib.sha256(vmfb).hexdigest() != entry["sha256"]:
+                raise BuildMismatchError(f"{self.build_dir / entry['file']}: sha256 differs from the manifest; "
+                                         "the build is corrupt or was modified: rebuild it")
+        elif self.compile_missing:
+            from .compile import compiled_module
+
+            self.log(f"msa-iree: compiling {spec.name} for {self.target} on demand "
+                     f"(prebuild with: msa-iree compile --target {self.target} "
+                     f"--num-heads {spec.cfg.num_heads} --num-kv-heads {spec.cfg.num_kv_heads} "
+                     f"--kv-dtype {spec.cfg.kv_dtype})")
+            vmfb, _, _ = compiled_module(spec, self.target)
+        else:
+            raise BuildMismatchError(f"{self.build_dir}: expected kernel {spec.name} in the manifest, got none")
+        ctx = rt.SystemContext(config=self.config)
+        ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
+        return ctx.modules.module["main"]
+
+    def run(self, spec: KernelSpec, *args, out_dtypes):
+        """Call a kernel on torch tensors; returns torch tensors of `out_dtypes`."""
+        result = self.function(spec)(*[to_numpy(a) for a in args])
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        return [from_iree(r, d) for r, d in zip(results, out_dtypes)]
+
+
+# ---- per-step metadata (SPEC §7) -------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DecodeMetadata:
+    block_table: torch.Tensor          # [num_decodes, cols] int32, unrebased
+    seq_lens: torch.Tensor             # [num_decodes] int32
+    decode_query_len: int
+    page16_block_table: torch.Tensor   # view of the builder's stable buffer
+
+
+@dataclasses.dataclass
+class PrefillMetadata:
+    block_table: torch.Tensor          # [num_prefills, cols], request ids relative to the prefills
+    cu_seqlens_q: torch.Tensor         # [num_prefills + 1] int32, from 0
+    seq_lens: torch.Tensor
+    context_lens: torch.Tensor         # prefix already computed
+    query_req_id: torch.Tensor         # [num_prefill_tokens] int32
+    query_abs_pos: torch.Tensor
+    page16_block_table: torch.Tensor
+
+
+@dataclasses.dataclass
+class MsaMetadata:
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    decode: DecodeMetadata | None
+    prefill: PrefillMetadata | None
+    slot_mapping: torch.Tensor              # [num_tokens] logical slots, -1 = padding
+    insert_token_index: torch.Tensor        # [M] int32 tokens with a slot (padding dropped)
+    insert_slots: torch.Tensor              # [M] int32 their logical slots
+
+
+class MetadataBuilder:
+    """Builds per-step metadata once for all sparse layers (SPEC §7.1-7.2).
+
+    page16_block_table_buffer: [max_num_seqs, cdiv(max_model_len, 128)] int32, allocated here and
+    kept at one address across steps (a captured decode replays through it).
+    """
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, *, num_cache_blocks: int | None = None,
+                 kernels: KernelLibrary | None = None, device="cpu"):
+        self.kernels = kernels
+        self.num_cache_blocks = num_cache_blocks
+        cols = -(-max_model_len // BLOCK_SIZE)
+        self.page16_block_table_buffer = torch.zeros(max_num_seqs, cols, dtype=torch.int32, device=device)
+
+    def build(self, block_table, seq_lens, query_start_loc, num_computed_tokens, decode_query_len: int,
+              num_decodes: int, slot_mapping=None) -> MsaMetadata:
+        """block_table [reqs, cols] int32; seq_lens, num_computed_tokens [reqs]; query_start_loc [reqs+1]."""
+        num_reqs = seq_lens.shape[0]
+        checks.check_dtype("block_table", block_table, torch.int32)
+        checks.check_shape("block_table", block_table, (num_reqs, None))
+        checks.check_shape("query_start_loc", query_start_loc, (num_reqs + 1,))
+        checks.check_shape("num_computed_tokens", num_computed_tokens, (num_reqs,))
+        if decode_query_len <= 0:
+            raise ValueError(f"decode_query_len: expected > 0, got {decode_query_len}")
+        if not 0 <= num_decodes <= num_reqs:
+            raise ValueError(f"num_decodes: expected 0..num_reqs={num_reqs}, got {num_decodes}")
+        qlens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+        bad = [q for q in qlens[:num_decodes] if q not in (decode_query_len, 0)]
+        if bad:
+            raise ValueError(f"decode query lengths: expected {decode_query_len} or 0 (graph padding) for the first "
+                             f"num_decodes={num_decodes} requests, got {bad}")
+        num_decode_tokens = num_decodes * decode_query_len
+        num_tokens = int(query_start_loc[-1])
+        if int(query_start_loc[num_decodes]) != num_decode_tokens:
+            raise ValueError(f"num_decode_tokens: expected num_decodes * decode_query_len = {num_decode_tokens}, "
+                             f"got {int(query_start_loc[num_decodes])} decode tokens in query_start_loc")
+        buf = self.page16_block_table_buffer
+        if num_reqs > buf.shape[0] or block_table.shape[1] > buf.shape[1]:
+            raise ValueError(f"block table {(num_reqs, block_table.shape[1])} exceeds the page-16 rebase buffer "
+                             f"{tuple(buf.shape)}")
+        if self.num_cache_blocks is not None:
+            checks.check_ids_in_range("block_table", block_table[block_table >= 0], self.num_cache_blocks)
+        page16 = buf[:num_reqs, :block_table.shape[1]]
+        page16.copy_(self._rebase(block_table))
+
+        decode = prefill = None
+        if num_decodes:
+            decode = DecodeMetadata(block_table[:num_decodes], seq_lens[:num_decodes].int(), decode_query_len,
+                                    page16[:num_decodes])
+        if num_decodes < num_reqs:
+            cu = (query_start_loc[num_decodes:] - query_start_loc[num_decodes]).int()
+            ctx = num_computed_tokens[num_decodes:].int()
+            req, pos = query_token_positions(cu, ctx, num_tokens - num_decode_tokens)
+            prefill = PrefillMetadata(block_table[num_decodes:], cu, seq_lens[num_decodes:].int(), ctx, req, pos,
+                                      page16[num_decodes:])
+        if slot_mapping is None:
+            slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int32)
+        keep = (slot_mapping >= 0).nonzero().reshape(-1)
+        return MsaMetadata(num_tokens, num_decodes, num_decode_tokens, num_reqs - num_decodes,
+                           num_tokens - num_decode_tokens, decode, prefill, slot_mapping,
+                           keep.int(), slot_mapping[keep].int())
+
+    def _rebase(self, block_table):
+        if self.kernels is None or block_table.numel() == 0:
+            return block_table * 2
+        (out,) = self.kernels.run(RebaseBlockTableSpec(MsaConfig()), block_table, out_dtypes=[torch.int32])
+        return out
+
+
+# ---- the attend ------------------------------------------------------------------------------
+
+
+class SparseAttention:
+    """MiniMax-M3 sparse attend over SHUFFLE page-16 caches, backed by compiled IREE modules."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, kv_cache_dtype,
+                 target: str = "host", *, build_dir=None, query_dtype=torch.bfloat16, kernels=None,
+                 validate_emitted_tables: bool = True):
+        kv_name = kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype)
+        self.cfg = MsaConfig(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size, kv_dtype=kv_name,
+                             query_dtype=dtype_name(query_dtype))
+        self.kv_dtype = DTYPES[kv_name]
+        self.kernels = kernels or KernelLibrary(target, build_dir)
+        self.scale_tensor = torch.tensor([scale], dtype=torch.float32)
+        self.validate_emitted_tables = validate_emitted_tables
+
+    # the folded page views the modules read: [pages * H, ...] (id = page * H + head)
+    @staticmethod
+    def _folded(cache):
+        return cache.reshape(-1, *cache.shape[2:]).view(storage_dtype(cache.dtype))
+
+    def _scales(self, k_scale, v_scale):
+        return module_scale(k_scale, self.cfg.num_kv_heads), module_scale(v_scale, self.cfg.num_kv_heads)
+
+    def _check(self, query, k_cache, v_cache, output, topk, k_scale, v_scale):
+        cfg = self.cfg
+        checks.check_query(query, cfg.num_heads)
+        checks.check_dtype("query", query, cfg.query_torch_dtype)
+        checks.check_kv_cache(k_cache, v_cache, cfg.num_kv_heads, self.kv_dtype)
+        checks.check_device("k_cache", k_cache, query.device)
+        checks.check_out(output, query)
+        checks.check_topk(topk, cfg.num_kv_heads, None, cfg.topk)
+        capacity = k_cache.shape[0] // block_page_stride(k_cache, v_cache) * BLOCK_SIZE
+        checks.check_scale("k_scale", k_scale, self.kv_dtype, cfg.num_kv_heads, capacity)
+        checks.check_scale("v_scale", v_scale, self.kv_dtype, cfg.num_kv_heads, capacity)
+
+    def forward(self, query, k_cache, v_cache, output, topk, metadata: MsaMetadata, k_scale=None, v_scale=None,
+                sparse_block_table=None, sparse_context_lens=None):
+        """query/output [tokens, Hq, 128]; topk [H, >= tokens, K] int32. Returns `output`."""
+        if not isinstance(metadata, MsaMetadata):
+            return output  # profiling run: nothing to attend (SPEC §7.4)
+        self._check(query, k_cache, v_cache, output, topk, k_scale, v_scale)
+        cfg, h = self.cfg, self.cfg.num_kv_heads
+        nd, n = metadata.num_decode_tokens, metadata.num_actual_tokens
+        if topk.shape[1] < n:
+            raise ValueError(f"topk: expected at least num_actual_tokens={n} rows, got {topk.shape[1]}")
+        stride = block_page_stride(k_cache, v_cache)
+        emitted = checks.check_sparse_table(sparse_block_table, sparse_context_lens, None, cfg.topk)
+        if emitted:
+            if stride != PAGES_PER_BLOCK * 2:
+                raise RuntimeError(f"the indexer emitted a page table for a block spanning {PAGES_PER_BLOCK * 2} pages, "
+                                   f"but this KV cache lays a block out over {stride}. The page-16 rebase assumes both "
+                                   "K/V sides share a block.")
+            checks.check_shape("sparse_block_table", sparse_block_table, (None, cfg.topk * PAGES_PER_BLOCK))
+            if sparse_block_table.shape[0] < n * h or sparse_context_lens.shape[0] < n * h:
+                raise ValueError(f"sparse_block_table: expected at least num_actual_tokens * num_kv_heads = {n * h} "
+                                 f"rows, got {sparse_block_table.shape[0]} and {sparse_context_lens.shape[0]}")
+            if self.validate_emitted_tables:
+                checks.check_ids_in_range("sparse_block_table", sparse_block_table[:n * h],
+                                          min(k_cache.shape[0], v_cache.shape[0]) * h)
+        kp, vp = self._folded(k_cache), self._folded(v_cache)
+        ks, vs = self._scales(k_scale, v_scale)
+        common = (self.scale_tensor, ks, vs)
+        for lo, hi, phase in ((0, nd, metadata.decode), (nd, n, metadata.prefill)):
+            if hi == lo:
+                continue
+            q = query[lo:hi]
+            if emitted:
+                spec = SparsePagedAttendSpec(cfg, stride)
+                args = (q, kp, vp, sparse_block_table[lo * h:hi * h].reshape(hi - lo, h, -1),
+                        sparse_context_lens[lo * h:hi * h].reshape(hi - lo, h), *common)
+            elif phase is metadata.decode:
+                spec = SparseAttnDecodeSpec(cfg.replace(decode_query_len=phase.decode_query_len), stride)
+                args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.seq_lens, *common)
+            else:
+                spec = SparseAttnPrefillSpec(cfg, stride)
+                args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.query_req_id, phase.query_abs_pos, *common)
+            (o,) = self.kernels.run(spec, *args, out_dtypes=[query.dtype])
+            output[lo:hi].copy_(o)
+        return output
+
+    __call__ = forward
+
+
+def insert_kv(kernels: KernelLibrary, key, value, k_cache, v_cache, metadata_or_slots, k_scale=None, v_scale=None, *,
+              kv_cache_dtype=None):
+    """Write key/value [N, H, 128] into the SHUFFLE views in place through the compiled writer.
+
+    metadata_or_slots: an MsaMetadata (its per-step compacted slots) or a [N] logical slot mapping.
+    The views must be the layout's own: one buffer (interleaved) or two planes back to back.
+    """
+    h = k_cache.shape[1]
+    checks.check_kv_cache(k_cache, v_cache, h, kv_cache_dtype)
+    checks.check_shape("key", key, (None, h, 128))
+    checks.check_shape("value", value, tuple(key.shape))
+    checks.check_dtype("key", key, (torch.bfloat16, torch.float16))
+    checks.check_dtype("value", value, key.dtype)
+    stride = block_page_stride(k_cache, v_cache)
+    capacity = k_cache.shape[0] // stride * BLOCK_SIZE
+    checks.check_scale("k_scale", k_scale, k_cache.dtype, h, capacity)
+    checks.check_scale("v_scale", v_scale, k_cache.dtype, h, capacity)
+    if isinstance(metadata_or_slots, MsaMetadata):
+        token_index, slots = metadata_or_slots.insert_token_index, metadata_or_slots.insert_slots
+    else:
+        checks.check_shape("slot_mapping", metadata_or_slots, (key.shape[0],))
+        keep = (metadata_or_slots >= 0).nonzero().reshape(-1)
+        token_index, slots = keep.int(), metadata_or_slots[keep].int()
+    if slots.numel() == 0:
+        return
+    checks.check_ids_in_range("slot_mapping", slots, capacity)
+    raw = _whole_buffer(k_cache, v_cache)
+    cfg = MsaConfig(num_kv_heads=h, kv_dtype=dtype_name(k_cache.dtype), query_dtype=dtype_name(key.dtype))
+    ks, vs = module_scale(k_scale, h), module_scale(v_scale, h)
+    storage = storage_dtype(k_cache.dtype)
+    (updated,) = kernels.run(InsertKvSpec(cfg, stride), raw.view(storage), key, value, token_index, slots, ks, vs,
+                             out_dtypes=[storage])
+    raw.view(storage).copy_(updated)
+
+
+def _whole_buffer(k_cache, v_cache):
+    """The single buffer both views live in, as [pages, H*16*128] (K at row P, V after it)."""
+    row = k_cache[0].numel()
+    esize = k_cache.element_size()
+    if sides_are_packed(k_cache, v_cache):
+        ok = v_cache.data_ptr() == k_cache.data_ptr() + PAGES_PER_BLOCK * row * esize
+        pages = k_cache.shape[0]
+    else:
+        ok = v_cache.data_ptr() == k_cache.data_ptr() + k_cache.shape[0] * row * esize
+        pages = 2 * k_cache.shape[0]
+    if not (ok and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache, v_cache: expected the views of one SHUFFLE buffer (layout.allocate_kv_cache: "
+                         "V 8 pages after K when interleaved, the V plane right after the K plane), got unrelated tensors")
+    return torch.as_strided(k_cache, (pages, row), (row, 1))
