@@ -105,16 +105,25 @@ def _atomic_write(path: pathlib.Path, data: bytes):
         raise
 
 
-def compiled_module(spec: KernelSpec, target: str, extra_flags=(), mlir_dir=None) -> tuple[bytes, str, bool]:
-    """(vmfb bytes, content key, cache_hit) through the shared content-addressed cache."""
+def compiled_module(spec: KernelSpec, target: str, extra_flags=(), mlir_dir=None, isa_dir=None):
+    """(vmfb bytes, content key, cache_hit) through the shared content-addressed cache.
+
+    isa_dir: also dump the executables' target files (gfx942 .rocmasm) there (forces a compile).
+    """
     key = content_key(spec, target, extra_flags)
     cached = cache_dir() / target / f"{spec.name}.{key[:16]}.vmfb"
-    if cached.exists() and mlir_dir is None:
+    if cached.exists() and mlir_dir is None and isa_dir is None:
         return cached.read_bytes(), key, True
     mlir = export_mlir(spec)
     if mlir_dir is not None:
         _atomic_write(pathlib.Path(mlir_dir) / f"{spec.name}.mlir", mlir.encode())
-    vmfb = compile_mlir(mlir, target, extra_flags)
+    dump = []
+    if isa_dir is not None:
+        import shutil
+
+        shutil.rmtree(isa_dir, ignore_errors=True)
+        dump = [f"--iree-hal-dump-executable-files-to={isa_dir}"]
+    vmfb = compile_mlir(mlir, target, list(extra_flags) + dump)
     _atomic_write(cached, vmfb)
     return vmfb, key, False
 
@@ -123,8 +132,8 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def build(cfg, targets, out_root=None, *, strides=(16, 8), emit_mlir=False, extra_flags=(), log=print,
-          specs=None) -> dict[str, pathlib.Path]:
+def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), emit_mlir=False,
+          extra_flags=(), log=print, specs=None) -> dict[str, pathlib.Path]:
     """Build the kernel set of `cfg` for each target into `out_root/<target>` (or `build/<target>`).
 
     Returns {target: manifest path}. Progress goes through `log`, one line per kernel.
@@ -132,25 +141,28 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), emit_mlir=False, extr
     results = {}
     for target in targets:
         check_target(target)
-        out = pathlib.Path(out_root or "build") / target if out_root is None or len(targets) > 1 \
-            else pathlib.Path(out_root)
+        out = pathlib.Path("build") / target if out_root is None else \
+            pathlib.Path(out_root) / target if len(targets) > 1 else pathlib.Path(out_root)
         out.mkdir(parents=True, exist_ok=True)
         manifest_path = out / "manifest.json"
         old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
         old_kernels = old.get("kernels", {})
         kernels = {}
-        todo = specs if specs is not None else kernel_set(cfg, strides)
+        todo = specs if specs is not None else kernel_set(cfg, strides, decode_query_lens)
         for i, spec in enumerate(todo, 1):
             t0 = time.perf_counter()
             key = content_key(spec, target, extra_flags)
             vmfb_path = out / f"{spec.name}.vmfb"
             entry = old_kernels.get(spec.name)
-            if (entry and entry["content_key"] == key and vmfb_path.exists() and not emit_mlir
+            isa_ok = target != "gfx942" or (out / "isa" / spec.name).is_dir()
+            if (entry and entry["content_key"] == key and vmfb_path.exists() and not emit_mlir and isa_ok
                     and sha256(vmfb_path.read_bytes()) == entry["sha256"]):
                 kernels[spec.name] = entry
                 log(f"[{target} {i}/{len(todo)}] {spec.name}: up to date")
                 continue
-            vmfb, key, hit = compiled_module(spec, target, extra_flags, mlir_dir=out / "mlir" if emit_mlir else None)
+            isa_dir = out / "isa" / spec.name if target == "gfx942" else None
+            vmfb, key, hit = compiled_module(spec, target, extra_flags, mlir_dir=out / "mlir" if emit_mlir else None,
+                                             isa_dir=isa_dir)
             _atomic_write(vmfb_path, vmfb)
             kernels[spec.name] = {"file": vmfb_path.name, "sha256": sha256(vmfb), "content_key": key,
                                   **spec.describe()}
@@ -159,6 +171,8 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), emit_mlir=False, extr
         manifest = {"msa_iree_version": __version__, "iree_compiler_version": iree_version(), "target": target,
                     "driver": DRIVERS[target], "flags": TARGETS[target] + list(extra_flags),
                     "verified": VERIFIED_ON[target], "config": cfg.__dict__ if cfg else None,
+                    "shapes": {"dynamic": "tokens, requests, table columns, cache pages, scale slots",
+                               "static": "heads per rank, head_dim 128, block 128, page 16, top-k, decode L"},
                     "kernels": {**{k: v for k, v in old_kernels.items() if k not in kernels and (out / v["file"]).exists()},
                                 **kernels}}
         _atomic_write(manifest_path, json.dumps(manifest, indent=1, sort_keys=True, default=str).encode())

@@ -528,9 +528,14 @@ REBASE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec)
 ALL_KERNELS = {cls.kernel: cls for cls in (*REBASE_SPECS, *TABLE_SPECS, *ATTEND_SPECS, InsertKvSpec)}
 
 
-def kernel_set(cfg: MsaConfig, strides=(16, 8)) -> list[KernelSpec]:
-    """Every kernel a deployment of `cfg` needs, for each cache layout's block page stride."""
+def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4)) -> list[KernelSpec]:
+    """Every kernel a deployment of `cfg` needs: per cache layout (block page stride) and per
+    decode query length L (1 = plain decode, > 1 = speculative decode)."""
     specs = [RebaseBlockTableSpec(cfg), RebaseSlotsSpec(cfg)]
     for stride in strides:
-        specs += [cls(cfg, stride) for cls in (*TABLE_SPECS, *ATTEND_SPECS, InsertKvSpec)]
+        for L in decode_query_lens:
+            specs += [BuildDecodeTableSpec(cfg.replace(decode_query_len=L), stride),
+                      SparseAttnDecodeSpec(cfg.replace(decode_query_len=L), stride)]
+        specs += [cls(cfg, stride) for cls in (BuildPrefillTableSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec,
+                                               InsertKvSpec)]
     return specs

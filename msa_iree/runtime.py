@@ -76,18 +76,22 @@ class KernelLibrary:
     _devices: dict[str, object] = {}
 
     def __init__(self, target: str = "host", build_dir=None, *, compile_missing=True, log=None):
-        import iree.runtime as rt
-
         self.target = check_target(target)
         self.driver = DRIVERS[target]
         self.build_dir = pathlib.Path(build_dir) if build_dir else None
         self.compile_missing = compile_missing
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
-        if self.driver not in KernelLibrary._devices:  # one device (and config) per driver per process
-            KernelLibrary._devices[self.driver] = rt.Config(self.driver)
-        self.config = KernelLibrary._devices[self.driver]
         self.manifest = self._read_manifest() if self.build_dir else {"kernels": {}}
         self._functions = {}
+
+    @property
+    def config(self):
+        """The IREE device config, created on first use: one per driver per process."""
+        import iree.runtime as rt
+
+        if self.driver not in KernelLibrary._devices:
+            KernelLibrary._devices[self.driver] = rt.Config(self.driver)
+        return KernelLibrary._devices[self.driver]
 
     def _read_manifest(self):
         path = self.build_dir / "manifest.json"

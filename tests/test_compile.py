@@ -1,0 +1,80 @@
+"""The compile pipeline: gfx942 and CUDA artifacts, manifest, content cache, atomicity, CLI errors."""
+import hashlib
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from msa_iree import compile as C
+from msa_iree import kernels as K
+from msa_iree.cli import main
+from msa_iree.config import MsaConfig
+from msa_iree.inspect import kernel_report
+
+CFG = MsaConfig(kv_dtype="fp8_e4m3fnuz")
+
+
+def small_set():
+    return [K.RebaseSlotsSpec(CFG), K.SparseAttnDecodeSpec(CFG, 16), K.InsertKvSpec(CFG, 16)]
+
+
+@pytest.mark.parametrize("target", ["gfx942", "cuda"])
+def test_gpu_targets_build_with_manifest(tmp_path, target):
+    manifest_path = C.build(CFG, [target], tmp_path / target, specs=small_set(), log=lambda m: None)[target]
+    m = json.loads(manifest_path.read_text())
+    assert m["target"] == target and m["iree_compiler_version"] == C.iree_version()
+    assert "--iree-rocm-target=gfx942" in m["flags"] if target == "gfx942" else "--iree-cuda-target=sm_80" in m["flags"]
+    assert set(m["kernels"]) == {s.name for s in small_set()}
+    for entry in m["kernels"].values():
+        data = (manifest_path.parent / entry["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"] and len(data) > 1000
+    if target == "gfx942":
+        report = {r["kernel"]: r for r in kernel_report(manifest_path.parent)}
+        attend = report[K.SparseAttnDecodeSpec(CFG, 16).name]
+        assert attend["dispatches"] >= 1 and all(f["vgpr"] > 0 for f in attend["functions"])
+
+
+def test_second_build_is_cached_and_fast(tmp_path):
+    logs = []
+    C.build(CFG, ["host"], tmp_path, specs=small_set(), log=logs.append)
+    t0 = time.perf_counter()
+    C.build(CFG, ["host"], tmp_path, specs=small_set(), log=logs.append)
+    assert time.perf_counter() - t0 < 1.0
+    assert all(line.endswith("up to date") for line in logs[-3:])
+
+
+def test_interrupted_build_leaves_no_vouched_garbage(tmp_path, monkeypatch):
+    real = C.compile_mlir
+    calls = []
+
+    def flaky(mlir, target, extra_flags=()):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(mlir, target, extra_flags)
+
+    monkeypatch.setattr(C, "compile_mlir", flaky)
+    monkeypatch.setenv("MSA_IREE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(KeyboardInterrupt):
+        C.build(CFG, ["host"], tmp_path / "out", specs=small_set(), log=lambda m: None)
+    out = tmp_path / "out"
+    assert not (out / "manifest.json").exists()  # the manifest is written last
+    assert not list(out.glob(".*"))  # no half-written temp files left behind
+    for f in out.glob("*.vmfb"):
+        assert f.stat().st_size > 0
+
+
+def test_cli_rejects_unknown_target_and_bad_options(capsys):
+    with pytest.raises(SystemExit, match="unknown target 'gfx1100'"):
+        main(["compile", "--target", "gfx1100"])
+    with pytest.raises(SystemExit, match="num_heads"):
+        main(["compile", "--target", "host", "--num-heads", "15", "--num-kv-heads", "2"])
+    with pytest.raises(SystemExit, match="unknown dtype"):
+        main(["compile", "--target", "host", "--kv-dtype", "int4"])
+
+
+def test_cli_entry_point_runs():
+    r = subprocess.run([sys.executable, "-m", "msa_iree.cli", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "compile" in r.stdout and "inspect" in r.stdout
