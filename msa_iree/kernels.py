@@ -160,8 +160,10 @@ def attend(q, k, v, ctx, scale):
     """q [T, Hq, 128]; k, v [T, H, N, 128] fp32; ctx [T, H] -> [T, Hq, 128] fp32. Empty rows: 0."""
     t, hq, _ = q.shape
     h, n = k.shape[1], k.shape[2]
-    qg = q.float().reshape(t, h, hq // h, HEAD_DIM)
-    s = torch.einsum("thgd,thnd->thgn", qg, k) * scale
+    # Scaling q first keeps its bf16->f32 extension out of the QK contraction: fused there, it made a
+    # mixed bf16 x f32 matmul that spilled 516 bytes of scratch on gfx942.
+    qg = (q.float() * scale).reshape(t, h, hq // h, HEAD_DIM)
+    s = torch.einsum("thgd,thnd->thgn", qg, k)
     visible = (torch.arange(n)[None, None, :] < ctx.to(torch.int64)[..., None])[:, :, None, :]
     s = torch.where(visible, s, float("-inf"))
     # Tokens past ctx (page 0 fillers, the rest of the tail block) may hold anything, NaN included:
