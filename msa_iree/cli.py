@@ -23,7 +23,7 @@ def _config(args, target):
 
 
 def cmd_compile(args):
-    from .compile import TARGETS, VERIFIED_ON, build
+    from .compile import TARGETS, VERIFIED_ON, build, request_key, up_to_date
 
     targets = args.target
     unknown = [t for t in targets if t not in TARGETS]
@@ -34,13 +34,18 @@ def cmd_compile(args):
         raise SystemExit(f"msa-iree compile: --layouts: unknown layout {bad[0]!r}; expected {sorted(LAYOUT_STRIDES)}")
     t0 = time.perf_counter()
     for target in targets:
+        out = args.out if args.out and len(targets) == 1 else (f"{args.out}/{target}" if args.out else f"build/{target}")
+        options = {k: v for k, v in vars(args).items() if k not in ("fn", "out", "target")}
+        key = request_key(options, target)
+        if not args.emit_mlir and up_to_date(out, key):
+            print(f"{target}: {out}/manifest.json up to date ({VERIFIED_ON[target]})")
+            continue
         try:
             cfg = _config(args, target)
         except ValueError as e:
             raise SystemExit(f"msa-iree compile: {e}")
-        out = args.out if args.out and len(targets) == 1 else (f"{args.out}/{target}" if args.out else None)
         manifest = build(cfg, [target], out, strides=[LAYOUT_STRIDES[l] for l in args.layouts],
-                         decode_query_lens=args.decode_query_lens, emit_mlir=args.emit_mlir)[target]
+                         decode_query_lens=args.decode_query_lens, emit_mlir=args.emit_mlir, request_key=key)[target]
         print(f"{target}: {manifest} ({VERIFIED_ON[target]})")
     print(f"done in {time.perf_counter() - t0:.1f} s")
 

@@ -7,6 +7,7 @@ cache (`MSA_IREE_CACHE`, default ~/.cache/msa-iree) lets tests and builds reuse 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -16,7 +17,6 @@ import time
 from importlib import metadata
 
 from . import __version__
-from .kernels import KernelSpec, kernel_set
 
 TARGETS: dict[str, list[str]] = {
     "host": ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
@@ -37,6 +37,7 @@ class CompileError(RuntimeError):
     pass
 
 
+@functools.cache
 def iree_version() -> str:
     return metadata.version("iree-base-compiler")
 
@@ -55,6 +56,7 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("MSA_IREE_CACHE", pathlib.Path.home() / ".cache" / "msa-iree"))
 
 
+@functools.cache
 def _source_digest() -> str:
     here = pathlib.Path(__file__).parent
     h = hashlib.sha256()
@@ -63,15 +65,19 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def content_key(spec: KernelSpec, target: str, extra_flags=()) -> str:
+@functools.cache
+def _tool_versions() -> dict:
+    return {"iree": iree_version(), "torch": metadata.version("torch"), "turbine": metadata.version("iree-turbine")}
+
+
+def content_key(spec, target: str, extra_flags=()) -> str:
     payload = json.dumps({"spec": spec.describe(), "name": spec.name, "flags": TARGETS[target] + list(extra_flags),
-                          "iree": iree_version(), "torch": metadata.version("torch"),
-                          "turbine": metadata.version("iree-turbine"), "sources": _source_digest()},
+                          **_tool_versions(), "sources": _source_digest()},
                          sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def export_mlir(spec: KernelSpec) -> str:
+def export_mlir(spec) -> str:
     """Trace the kernel's torch formulation to MLIR (torch dialect, dynamic dims symbolic)."""
     import warnings
 
@@ -105,7 +111,7 @@ def _atomic_write(path: pathlib.Path, data: bytes):
         raise
 
 
-def compiled_module(spec: KernelSpec, target: str, extra_flags=(), mlir_dir=None, isa_dir=None):
+def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=None):
     """(vmfb bytes, content key, cache_hit) through the shared content-addressed cache.
 
     isa_dir: also dump the executables' target files (gfx942 .rocmasm) there (forces a compile).
@@ -133,7 +139,7 @@ def sha256(data: bytes) -> str:
 
 
 def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), emit_mlir=False,
-          extra_flags=(), log=print, specs=None) -> dict[str, pathlib.Path]:
+          extra_flags=(), log=print, specs=None, request_key=None) -> dict[str, pathlib.Path]:
     """Build the kernel set of `cfg` for each target into `out_root/<target>` (or `build/<target>`).
 
     Returns {target: manifest path}. Progress goes through `log`, one line per kernel.
@@ -148,6 +154,8 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1,
         old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
         old_kernels = old.get("kernels", {})
         kernels = {}
+        from .kernels import kernel_set
+
         todo = specs if specs is not None else kernel_set(cfg, strides, decode_query_lens)
         for i, spec in enumerate(todo, 1):
             t0 = time.perf_counter()
@@ -168,7 +176,7 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1,
                                   **spec.describe()}
             log(f"[{target} {i}/{len(todo)}] {spec.name}: {'cached' if hit else 'compiled'} "
                 f"({len(vmfb) // 1024} KiB, {time.perf_counter() - t0:.1f} s)")
-        manifest = {"msa_iree_version": __version__, "iree_compiler_version": iree_version(), "target": target,
+        manifest = {"msa_iree_version": __version__, "request_key": request_key, "iree_compiler_version": iree_version(), "target": target,
                     "driver": DRIVERS[target], "flags": TARGETS[target] + list(extra_flags),
                     "verified": VERIFIED_ON[target], "config": cfg.__dict__ if cfg else None,
                     "shapes": {"dynamic": "tokens, requests, table columns, cache pages, scale slots",
@@ -178,3 +186,29 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1,
         _atomic_write(manifest_path, json.dumps(manifest, indent=1, sort_keys=True, default=str).encode())
         results[target] = manifest_path
     return results
+
+
+def request_key(options: dict, target: str) -> str:
+    """Key of one `msa-iree compile` request: its options, the kernel sources and tool versions.
+
+    Computable without importing torch, so that a rebuild with nothing changed returns at once.
+    """
+    payload = json.dumps({"options": options, "target": target, "flags": TARGETS[target], "sources": _source_digest(),
+                          "versions": [metadata.version(p) for p in ("iree-base-compiler", "torch", "iree-turbine")]},
+                         sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def up_to_date(out: pathlib.Path, key: str) -> bool:
+    """True when `out` holds a manifest for the same request whose every vmfb matches its sha256."""
+    path = pathlib.Path(out) / "manifest.json"
+    if not path.exists():
+        return False
+    m = json.loads(path.read_text())
+    if m.get("request_key") != key:
+        return False
+    for entry in m["kernels"].values():
+        f = path.parent / entry["file"]
+        if not f.exists() or sha256(f.read_bytes()) != entry["sha256"]:
+            return False
+    return not m.get("target") == "gfx942" or (path.parent / "isa").is_dir()

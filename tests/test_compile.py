@@ -78,3 +78,14 @@ def test_cli_rejects_unknown_target_and_bad_options(capsys):
 def test_cli_entry_point_runs():
     r = subprocess.run([sys.executable, "-m", "msa_iree.cli", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "compile" in r.stdout and "inspect" in r.stdout
+
+
+def test_request_key_short_circuit(tmp_path):
+    key = C.request_key({"num_heads": 16}, "host")
+    assert not C.up_to_date(tmp_path, key)
+    C.build(CFG, ["host"], tmp_path, specs=small_set()[:1], log=lambda m: None, request_key=key)
+    assert C.up_to_date(tmp_path, key)
+    assert not C.up_to_date(tmp_path, C.request_key({"num_heads": 8}, "host"))
+    vmfb = next(tmp_path.glob("*.vmfb"))
+    vmfb.write_bytes(vmfb.read_bytes() + b"x")  # a tampered module is not up to date
+    assert not C.up_to_date(tmp_path, key)
