@@ -138,6 +138,12 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _intact(out: pathlib.Path, entry: dict) -> bool:
+    """The manifest entry's vmfb exists in `out` with the recorded sha256."""
+    f = out / entry["file"]
+    return f.exists() and sha256(f.read_bytes()) == entry["sha256"]
+
+
 def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), emit_mlir=False,
           extra_flags=(), log=print, specs=None, request_key=None) -> dict[str, pathlib.Path]:
     """Build the kernel set of `cfg` for each target into `out_root/<target>` (or `build/<target>`).
@@ -163,8 +169,7 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1,
             vmfb_path = out / f"{spec.name}.vmfb"
             entry = old_kernels.get(spec.name)
             isa_ok = target != "gfx942" or (out / "isa" / spec.name).is_dir()
-            if (entry and entry["content_key"] == key and vmfb_path.exists() and not emit_mlir and isa_ok
-                    and sha256(vmfb_path.read_bytes()) == entry["sha256"]):
+            if entry and entry["content_key"] == key and not emit_mlir and isa_ok and _intact(out, entry):
                 kernels[spec.name] = entry
                 log(f"[{target} {i}/{len(todo)}] {spec.name}: up to date")
                 continue
@@ -176,8 +181,8 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1,
                                   **spec.describe()}
             log(f"[{target} {i}/{len(todo)}] {spec.name}: {'cached' if hit else 'compiled'} "
                 f"({len(vmfb) // 1024} KiB, {time.perf_counter() - t0:.1f} s)")
-        manifest = {"msa_iree_version": __version__, "request_key": request_key, "iree_compiler_version": iree_version(), "target": target,
-                    "driver": DRIVERS[target], "flags": TARGETS[target] + list(extra_flags),
+        manifest = {"msa_iree_version": __version__, "request_key": request_key,
+                    "iree_compiler_version": iree_version(), "target": target, "driver": DRIVERS[target], "flags": TARGETS[target] + list(extra_flags),
                     "verified": VERIFIED_ON[target], "config": cfg.__dict__ if cfg else None,
                     "shapes": {"dynamic": "tokens, requests, table columns, cache pages, scale slots",
                                "static": "heads per rank, head_dim 128, block 128, page 16, top-k, decode L"},
@@ -194,7 +199,7 @@ def request_key(options: dict, target: str) -> str:
     Computable without importing torch, so that a rebuild with nothing changed returns at once.
     """
     payload = json.dumps({"options": options, "target": target, "flags": TARGETS[target], "sources": _source_digest(),
-                          "versions": [metadata.version(p) for p in ("iree-base-compiler", "torch", "iree-turbine")]},
+                          **_tool_versions()},
                          sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
@@ -207,8 +212,6 @@ def up_to_date(out: pathlib.Path, key: str) -> bool:
     m = json.loads(path.read_text())
     if m.get("request_key") != key:
         return False
-    for entry in m["kernels"].values():
-        f = path.parent / entry["file"]
-        if not f.exists() or sha256(f.read_bytes()) != entry["sha256"]:
-            return False
+    if not all(_intact(path.parent, entry) for entry in m["kernels"].values()):
+        return False
     return not m.get("target") == "gfx942" or (path.parent / "isa").is_dir()

@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from .config import DTYPES, FP8_DTYPES, MsaConfig
+from .config import FP8_DTYPES, MsaConfig
 from .layout import BLOCK_SIZE, HEAD_DIM, PAGE_SIZE, PAGES_PER_BLOCK, elements_per_16_bytes
 
 # ---- fp8 without native fp8 ops -------------------------------------------------------------
@@ -351,7 +351,9 @@ def _dims():
     D = torch.export.Dim
     return dict(T=D("tokens", min=1, max=2 ** 20), P=D("pages", min=2, max=2 ** 31 - 1),
                 B=D("requests", min=1, max=2 ** 16), C=D("columns", min=1, max=2 ** 16),
-                S=D("scale_slots", min=1, max=2 ** 31 - 1), N=D("slots", min=1, max=2 ** 20))
+                S=D("scale_slots", min=1, max=2 ** 31 - 1), N=D("slots", min=1, max=2 ** 20),
+                # V has its own page count (8 fewer when interleaved) and its own scale tensor
+                Pv=D("v_pages", min=2, max=2 ** 31 - 1), Sv=D("v_scale_slots", min=1, max=2 ** 31 - 1))
 
 
 class RebaseBlockTableSpec(KernelSpec):
@@ -424,16 +426,8 @@ class BuildPrefillTableSpec(_TableSpec):
 
 
 def _attend_dims(d):
-    return {"q": {0: d["T"]}, "k_pages": {0: d["P"]}, "v_pages": {0: D2(d)}, "scale": None,
-            "k_scale": {1: d["S"]}, "v_scale": {1: D3(d)}}
-
-
-def D2(d):  # V page count is its own dimension (8 fewer pages when interleaved)
-    return torch.export.Dim("v_pages", min=2, max=2 ** 31 - 1)
-
-
-def D3(d):
-    return torch.export.Dim("v_scale_slots", min=1, max=2 ** 31 - 1)
+    return {"q": {0: d["T"]}, "k_pages": {0: d["P"]}, "v_pages": {0: d["Pv"]}, "scale": None,
+            "k_scale": {1: d["S"]}, "v_scale": {1: d["Sv"]}}
 
 
 class SparsePagedAttendSpec(KernelSpec):
@@ -521,7 +515,7 @@ class InsertKvSpec(KernelSpec):
         m = torch.export.Dim("written", min=1, max=2 ** 20)
         return {"cache": {0: d["P"]}, "key": {0: d["N"]}, "value": {0: d["N"]}, "token_index": {0: m},
                 "slot_mapping": {0: m},
-                "k_scale": {1: d["S"]}, "v_scale": {1: D3(d)}}
+                "k_scale": {1: d["S"]}, "v_scale": {1: d["Sv"]}}
 
 
 ATTEND_SPECS = (SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)

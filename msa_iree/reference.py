@@ -19,7 +19,7 @@ import torch
 
 from . import checks
 from .layout import (BLOCK_SIZE, HEAD_DIM, PAGE_SIZE, PAGES_PER_BLOCK, block_page_stride,
-                     dequantize_fp8, elements_per_16_bytes, is_fp8, logical_slots_of_pages,
+                     elements_per_16_bytes, is_fp8, logical_slots_of_pages,
                      quantize_fp8, sides_are_packed)
 
 # ---- page-16 rebases (SPEC §2.4) ------------------------------------------------------------
@@ -122,7 +122,6 @@ def build_sparse_block_table_prefill(topk, block_table, query_req_id, query_abs_
 
 def _gather_tokens(cache, ids, kind):
     """Page ids [R, P] of the head-folded cache -> token rows [R, P*16, 128] (cache dtype)."""
-    x = cache.shape[-1]
     folded = cache.reshape(-1, *cache.shape[2:])  # [pages*H, ...]: id = page*H + head
     pages = folded[ids]
     if kind == "k":  # [R, P, 128/x, 16, x] -> [R, P, 16, 128]

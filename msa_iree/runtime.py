@@ -20,10 +20,9 @@ import numpy as np
 import torch
 
 from . import checks
-from .compile import DRIVERS, build, check_target, runtime_version
+from .compile import DRIVERS, check_target, runtime_version
 from .config import DTYPES, MsaConfig, dtype_name
-from .kernels import (BuildDecodeTableSpec, InsertKvSpec, KernelSpec, RebaseBlockTableSpec, RebaseSlotsSpec,
-                      SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, storage_dtype)
+from .kernels import (InsertKvSpec, KernelSpec, RebaseBlockTableSpec, SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, storage_dtype)
 from .layout import BLOCK_SIZE, PAGES_PER_BLOCK, block_page_stride, sides_are_packed
 from .reference import query_token_positions
 

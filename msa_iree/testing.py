@@ -11,7 +11,6 @@ import dataclasses
 import torch
 
 from .layout import BLOCK_SIZE, HEAD_DIM, is_fp8, pack_kv_cache, quantize_fp8
-from . import layout as L
 from .reference import decode_token_positions, query_token_positions
 
 

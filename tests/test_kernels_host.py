@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from msa_iree import kernels as K
+from msa_iree import layout as L
 from msa_iree import reference as R
 from msa_iree import testing
 from msa_iree.config import MsaConfig, dtype_name
@@ -165,13 +166,13 @@ def test_attend_kernel_never_reads_past_context(host_kernels):
     seed = next(s for s in range(100) if 0 not in testing.decode_case([129, 0, 5], seed=s).block_table.tolist()[0]
                 + testing.decode_case([129, 0, 5], seed=s).block_table.tolist()[2])
     c = testing.decode_case([129, 0, 5], seed=seed)
-    k, v = testing.L.unpack_kv_cache(c.k_cache, c.v_cache)
+    k, v = L.unpack_kv_cache(c.k_cache, c.v_cache)
     nan = float("nan")
     for t in (k, v):
         t[0] = nan                                   # block 0 is unused: only the filler can reach it
         t[int(c.block_table[0, 1]), 1:] = nan        # request 0 sees token 128 = offset 0 of its block 1
         t[int(c.block_table[2, 0]), 5:] = nan        # request 2 sees positions 0..4
-    kc, vc = testing.L.pack_kv_cache(k, v, "interleaved")
+    kc, vc = L.pack_kv_cache(k, v, "interleaved")
     spec = K.SparseAttnDecodeSpec(cfg_for(c, BF16, BF16), 16)
     (got,) = host_kernels.run(spec, c.q, folded(kc), folded(vc), c.topk, c.block_table.clamp(min=0),
                               c.seq_lens, torch.tensor([c.scale]), torch.ones(1, 1), torch.ones(1, 1),
@@ -208,8 +209,7 @@ def test_insert_kernel_matches_reference(host_kernels, kv, qd, layout, smode):
     slots = i32([0, 127, 128, -1, 129, 383, 200, -1])
     key = torch.randn(8, 2, 128, generator=g).to(qd)
     value = torch.randn(8, 2, 128, generator=g).to(qd)
-    want_k, want_v = c.k_cache.clone(), c.v_cache.clone()
-    want_k, want_v = testing.L.pack_kv_cache(*testing.L.unpack_kv_cache(c.k_cache, c.v_cache), layout)
+    want_k, want_v = L.pack_kv_cache(*L.unpack_kv_cache(c.k_cache, c.v_cache), layout)  # an independent copy
     R.insert_kv(key, value, want_k, want_v, slots, c.k_scale, c.v_scale)
     insert_kv(host_kernels, key, value, c.k_cache, c.v_cache, slots, c.k_scale, c.v_scale)
     assert torch.equal(c.k_cache.view(torch.uint8), want_k.view(torch.uint8))

@@ -3,6 +3,7 @@ over a logical cache) agree; scales, dtypes and bad inputs behave."""
 import pytest
 import torch
 
+from msa_iree import layout as L
 from msa_iree import reference as R
 from msa_iree import testing
 
@@ -131,7 +132,7 @@ def test_insert_kv_matches_logical_write(dtype, layout, scale_mode):
     key = torch.randn(6, 2, 128, generator=g).bfloat16()
     value = torch.randn(6, 2, 128, generator=g).bfloat16()
     R.insert_kv(key, value, c.k_cache, c.v_cache, slots, c.k_scale, c.v_scale)
-    k_log, v_log = testing.L.unpack_kv_cache(c.k_cache, c.v_cache)
+    k_log, v_log = L.unpack_kv_cache(c.k_cache, c.v_cache)
     for i, s in enumerate(slots.tolist()):
         if s < 0:
             continue

@@ -7,7 +7,7 @@ import torch
 
 from msa_iree import reference as R
 from msa_iree import testing
-from msa_iree.layout import allocate_kv_cache, block_page_stride
+from msa_iree.layout import allocate_kv_cache
 from msa_iree.runtime import BuildMismatchError, KernelLibrary, MetadataBuilder, SparseAttention, insert_kv
 
 BF16, F16, FNUZ, FN = torch.bfloat16, torch.float16, torch.float8_e4m3fnuz, torch.float8_e4m3fn
@@ -94,6 +94,7 @@ class Server:
             R.sparse_attn_prefill(q[nd:], self.k_cache, self.v_cache, topk[:, nd:], p.block_table, p.query_req_id,
                                   p.query_abs_pos, self.h, 128 ** -0.5, ref[nd:], self.k_scale, self.v_scale)
         assert torch.equal(self.k_cache.view(torch.uint8), want_k.view(torch.uint8))  # attend never writes KV
+        assert torch.equal(self.v_cache.view(torch.uint8), want_v.view(torch.uint8))
         assert not out.isnan().any(), "padded rows must be finite and every row written"
         active = pos >= 0
         err = (out[active].float() - ref[active].float()).abs()
