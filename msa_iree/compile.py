@@ -31,6 +31,7 @@ VERIFIED_ON = {"host": "tested on the host CPU by the test suite",
                "cuda": "runs on NVIDIA GPUs (sm_80 PTX, JIT on newer); benchmarked on an H200",
                "gfx942": "compiled and inspected only: no AMD GPU was available to run it"}
 _SOURCES = ("kernels.py", "layout.py", "config.py", "compile.py")
+_TEMPLATES = pathlib.Path(__file__).resolve().parent.parent / "kernels_mlir"
 
 
 class CompileError(RuntimeError):
@@ -62,6 +63,8 @@ def _source_digest() -> str:
     h = hashlib.sha256()
     for name in _SOURCES:
         h.update((here / name).read_bytes())
+    for template in sorted(_TEMPLATES.glob("*.j2")):
+        h.update(template.read_bytes())
     return h.hexdigest()
 
 
@@ -78,7 +81,10 @@ def content_key(spec, target: str, extra_flags=()) -> str:
 
 
 def export_mlir(spec) -> str:
-    """Trace the kernel's torch formulation to MLIR (torch dialect, dynamic dims symbolic)."""
+    """The kernel's MLIR: its rendered template (hand-written kernels) or its torch formulation
+    traced by iree-turbine (torch dialect, dynamic dims symbolic)."""
+    if hasattr(spec, "render"):
+        return spec.render()
     import warnings
 
     import iree.turbine.aot as aot
@@ -116,6 +122,10 @@ def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=No
 
     isa_dir: also dump the executables' target files (gfx942 .rocmasm) there (forces a compile).
     """
+    supported = getattr(spec, "targets", None)
+    if supported is not None and target not in supported:
+        raise CompileError(f"{spec.name}: expected a target in {list(supported)}, got {target!r} "
+                           "(a GPU-level kernel: llvm-cpu cannot lower gpu.thread_id)")
     key = content_key(spec, target, extra_flags)
     cached = cache_dir() / target / f"{spec.name}.{key[:16]}.vmfb"
     if cached.exists() and mlir_dir is None and isa_dir is None:
@@ -162,7 +172,7 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1,
         kernels = {}
         from .kernels import kernel_set
 
-        todo = specs if specs is not None else kernel_set(cfg, strides, decode_query_lens)
+        todo = specs if specs is not None else kernel_set(cfg, strides, decode_query_lens, target)
         for i, spec in enumerate(todo, 1):
             t0 = time.perf_counter()
             key = content_key(spec, target, extra_flags)

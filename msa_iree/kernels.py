@@ -21,6 +21,7 @@ P pages, x = 16 bytes / element.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import torch
 
@@ -307,6 +308,9 @@ class KernelSpec:
 
     kernel = ""  # set by subclasses: the operation's name (the reference's function name)
 
+    def __post_init__(self):  # subclasses validate their specialisation here
+        pass
+
     @property
     def name(self) -> str:
         return f"{self.kernel}.{self.variant}"
@@ -518,20 +522,84 @@ class InsertKvSpec(KernelSpec):
                 "k_scale": {1: d["S"]}, "v_scale": {1: d["Sv"]}}
 
 
+# ---- hand-written GPU-level kernels (kernels_mlir/, issue 5) ----------------------------------
+
+KERNELS_MLIR = pathlib.Path(__file__).resolve().parent.parent / "kernels_mlir"
+
+
+def render_template(name: str, **params) -> str:
+    """Render one Jinja MLIR template of kernels_mlir/ (undefined parameters are errors)."""
+    import jinja2
+
+    if not (KERNELS_MLIR / name).exists():
+        raise FileNotFoundError(f"{KERNELS_MLIR / name}: the MLIR templates ship with the source tree; "
+                                "install msa-iree from a checkout (pip install -e .)")
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(KERNELS_MLIR), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True)
+    return env.get_template(name).render(**params)
+
+
+_MLIR_ELEMENT = {"bf16": "bf16", "fp16": "f16", "fp8_e4m3fn": "i8", "fp8_e4m3fnuz": "i8"}
+_FP8_FORMAT = {"fp8_e4m3fn": "fn", "fp8_e4m3fnuz": "fnuz"}
+
+
+class SparseAttnDecodeGpuSpec(KernelSpec):
+    """The decode attend as one hand-written GPU-level MLIR text (sparse_attn_decode_gpu.mlir.j2).
+
+    Same operation as SparseAttnDecodeSpec (table build fused), different module interface:
+    k/v pages arrive flat, [pages * H, 2048] storage elements, and the output tensor comes last
+    as the result's storage. GPU targets only (gpu.thread_id
+    has no llvm-cpu lowering); heads per KV head must be 8 or 16 (256-thread workgroups whose
+    softmax groups are subgroup clusters of 256 / G <= 32 lanes).
+    """
+
+    kernel = "sparse_attn_decode_gpu"
+    template = "sparse_attn_decode_gpu.mlir.j2"
+    output_storage = True  # `main` takes the output tensor last and writes into it (iree.abi.output)
+    targets = ("cuda", "gfx942")
+    GROUP_SIZES = (8, 16)
+
+    def __post_init__(self):
+        if self.cfg.group_size not in self.GROUP_SIZES:
+            raise ValueError(f"num_heads / num_kv_heads: expected one of {self.GROUP_SIZES} for the GPU decode "
+                             f"attend, got {self.cfg.group_size}")
+        if self.cfg.topk != 16:
+            raise ValueError(f"topk: expected 16 for the GPU decode attend, got {self.cfg.topk}")
+
+    @property
+    def variant(self):
+        return super().variant + f".L{self.cfg.decode_query_len}"
+
+    def render(self) -> str:
+        c = self.cfg
+        return render_template(self.template, G=c.group_size, H=c.num_kv_heads, L=c.decode_query_len,
+                               QT=_MLIR_ELEMENT[c.query_dtype], KT=_MLIR_ELEMENT[c.kv_dtype],
+                               FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "template": self.template, "targets": list(self.targets)}
+
+
 ATTEND_SPECS = (SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 TABLE_SPECS = (BuildDecodeTableSpec, BuildPrefillTableSpec)
 REBASE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec)
-ALL_KERNELS = {cls.kernel: cls for cls in (*REBASE_SPECS, *TABLE_SPECS, *ATTEND_SPECS, InsertKvSpec)}
+GPU_SPECS = (SparseAttnDecodeGpuSpec,)
+ALL_KERNELS = {cls.kernel: cls for cls in (*REBASE_SPECS, *TABLE_SPECS, *ATTEND_SPECS, InsertKvSpec, *GPU_SPECS)}
 
 
-def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4)) -> list[KernelSpec]:
+def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), target=None) -> list[KernelSpec]:
     """Every kernel a deployment of `cfg` needs: per cache layout (block page stride) and per
-    decode query length L (1 = plain decode, > 1 = speculative decode)."""
+    decode query length L (1 = plain decode, > 1 = speculative decode). For a GPU `target`
+    also the hand-written decode attend, where the head grouping allows it."""
+    gpu = target in SparseAttnDecodeGpuSpec.targets and cfg.group_size in SparseAttnDecodeGpuSpec.GROUP_SIZES \
+        and cfg.topk == 16
     specs = [RebaseBlockTableSpec(cfg), RebaseSlotsSpec(cfg)]
     for stride in strides:
         for L in decode_query_lens:
             specs += [BuildDecodeTableSpec(cfg.replace(decode_query_len=L), stride),
                       SparseAttnDecodeSpec(cfg.replace(decode_query_len=L), stride)]
+            if gpu:
+                specs.append(SparseAttnDecodeGpuSpec(cfg.replace(decode_query_len=L), stride))
         specs += [cls(cfg, stride) for cls in (BuildPrefillTableSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec,
                                                InsertKvSpec)]
     return specs

@@ -4,9 +4,9 @@ Per step, `MetadataBuilder.build` does everything that needs the host (splits, p
 page-16 rebase into its stable buffer, range checks, the insert's slot compaction). Per layer,
 `SparseAttention.forward` checks shapes and dtypes and calls one compiled module per phase.
 
-Host CPU (`local-task`) is what the tests run. On `cuda`/`hip` the same code runs once the
-modules are built for that target; there tensors still pass through host numpy (no DLPack
-zero-copy yet, see README "Status").
+Host CPU (`local-task`) is what the CI tests run. On `cuda`/`hip`, torch tensors that live on
+the GPU are imported into IREE zero-copy through DLPack and results come back the same way
+(device-resident caches are never copied per call); CPU tensors are copied through numpy.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import torch
 from . import checks
 from .compile import DRIVERS, check_target, runtime_version
 from .config import DTYPES, MsaConfig, dtype_name
-from .kernels import (InsertKvSpec, KernelSpec, RebaseBlockTableSpec, SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, storage_dtype)
+from .kernels import (InsertKvSpec, KernelSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec, SparseAttnDecodeSpec,
+                      SparseAttnPrefillSpec, SparsePagedAttendSpec, storage_dtype)
 from .layout import BLOCK_SIZE, PAGES_PER_BLOCK, block_page_stride, sides_are_packed
 from .reference import query_token_positions
 
@@ -53,6 +54,10 @@ def from_iree(arr, dtype: torch.dtype) -> torch.Tensor:
     if dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
         return torch.from_numpy(host.view(np.uint8)).view(dtype)
     return torch.from_numpy(host.view(np.dtype(str(dtype).replace("torch.", ""))))
+
+
+# DLPack device type of the torch tensors each GPU driver can import (kDLCUDA, kDLROCM)
+DLPACK_DEVICE_TYPE = {"cuda": 2, "hip": 10}
 
 
 def module_scale(scale, num_kv_heads):
@@ -105,11 +110,13 @@ class KernelLibrary:
             raise BuildMismatchError(f"{path}: expected target {self.target!r}, got {m.get('target')!r}")
         return m
 
-    def function(self, spec: KernelSpec):
-        fn = self._functions.get(spec.name)
-        if fn is None:
-            fn = self._functions[spec.name] = self._load(spec)
-        return fn
+    def function(self, spec: KernelSpec, entry: str = "main"):
+        """The module's `entry` function (`main`; GPU-level kernels also export `chain`, n calls
+        back to back for benchmarks)."""
+        module = self._functions.get(spec.name)
+        if module is None:
+            module = self._functions[spec.name] = self._load(spec)
+        return module[entry]
 
     def _load(self, spec):
         import iree.runtime as rt
@@ -132,13 +139,58 @@ class KernelLibrary:
             raise BuildMismatchError(f"{self.build_dir}: expected kernel {spec.name} in the manifest, got none")
         ctx = rt.SystemContext(config=self.config)
         ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
-        return ctx.modules.module["main"]
+        return ctx.modules.module
 
-    def run(self, spec: KernelSpec, *args, out_dtypes):
-        """Call a kernel on torch tensors; returns torch tensors of `out_dtypes`."""
-        result = self.function(spec)(*[to_numpy(a) for a in args])
+    @property
+    def zero_copy(self) -> bool:
+        """True on GPU drivers: torch GPU tensors go in and come out through DLPack, uncopied."""
+        return self.driver in DLPACK_DEVICE_TYPE
+
+    def to_iree(self, t: torch.Tensor):
+        """A kernel argument: a HAL buffer view over `t`'s own memory (GPU tensor on a GPU driver),
+        else a host numpy array that IREE copies."""
+        if self.zero_copy and t.device.type == "cuda":
+            if t.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+                t = t.view(torch.uint8)  # the modules read fp8 as bytes; DLPack need not know fp8
+            if not t.is_contiguous():
+                t = t.contiguous()
+            return self.config.device.from_dlpack_capsule(t.__dlpack__())
+        return to_numpy(t)
+
+    def to_torch(self, result, dtype: torch.dtype) -> torch.Tensor:
+        """A module result as a torch tensor. On GPU drivers: copied on the device into a fresh
+        torch GPU tensor (IREE's cuda allocator cannot export its own buffers through DLPack)."""
+        if not self.zero_copy:
+            return from_iree(result, dtype)
+        import iree.runtime as rt
+
+        bv = result._buffer_view
+        dst = torch.empty(bv.shape, dtype=dtype, device="cuda")
+        dst_bv = self.to_iree(dst)
+        device = self.config.device
+        cb = rt.HalCommandBuffer(device)
+        cb.copy(bv.get_buffer(), dst_bv.get_buffer(), 0, 0, bv.byte_length, end=True)
+        done = device.create_semaphore(0)
+        device.queue_execute(cb, [], [(done, 1)])
+        done.wait(1)
+        return dst
+
+    def run(self, spec: KernelSpec, *args, out_dtypes=(), out=None):
+        """Call a kernel on torch tensors; the call returns when the kernel has finished.
+
+        out: for kernels whose module takes its result storage (GPU-level kernels, `spec.
+        output_storage`), the torch tensors the results are written into, in place; returned.
+        Otherwise returns new torch tensors of `out_dtypes` (on the GPU for GPU drivers)."""
+        if self.zero_copy and any(a.device.type == "cuda" for a in args):
+            torch.cuda.current_stream().synchronize()  # IREE runs on its own stream: inputs must be ready
+        if out is not None:
+            if not getattr(spec, "output_storage", False):
+                raise ValueError(f"out: {spec.name} allocates its own results; call it without out=")
+            self.function(spec)(*[self.to_iree(a) for a in (*args, *out)])
+            return list(out)
+        result = self.function(spec)(*[self.to_iree(a) for a in args])
         results = result if isinstance(result, (tuple, list)) else (result,)
-        return [from_iree(r, d) for r, d in zip(results, out_dtypes)]
+        return [self.to_torch(r, d) for r, d in zip(results, out_dtypes)]
 
 
 # ---- per-step metadata (SPEC §7) -------------------------------------------------------------
@@ -260,16 +312,27 @@ class SparseAttention:
                              query_dtype=dtype_name(query_dtype))
         self.kv_dtype = DTYPES[kv_name]
         self.kernels = kernels or KernelLibrary(target, build_dir)
+        self.scale = scale
         self.scale_tensor = torch.tensor([scale], dtype=torch.float32)
+        self._unit_scale = torch.ones(num_kv_heads, 1)
         self.validate_emitted_tables = validate_emitted_tables
+        # the hand-written GPU decode attend where the target and head grouping allow it
+        self.gpu_decode = (self.kernels.target in SparseAttnDecodeGpuSpec.targets
+                           and self.cfg.group_size in SparseAttnDecodeGpuSpec.GROUP_SIZES and self.cfg.topk == 16)
 
     # the folded page views the modules read: [pages * H, ...] (id = page * H + head)
     @staticmethod
     def _folded(cache):
         return cache.reshape(-1, *cache.shape[2:]).view(storage_dtype(cache.dtype))
 
+    def _on(self, device):
+        """The constant operands on `device` (moved once, then reused by every call)."""
+        if self.scale_tensor.device != device:
+            self.scale_tensor, self._unit_scale = self.scale_tensor.to(device), self._unit_scale.to(device)
+
     def _scales(self, k_scale, v_scale):
-        return module_scale(k_scale, self.cfg.num_kv_heads), module_scale(v_scale, self.cfg.num_kv_heads)
+        h = self.cfg.num_kv_heads
+        return tuple(self._unit_scale if s is None else module_scale(s, h) for s in (k_scale, v_scale))
 
     def _check(self, query, k_cache, v_cache, output, topk, k_scale, v_scale):
         cfg = self.cfg
@@ -307,6 +370,7 @@ class SparseAttention:
             if self.validate_emitted_tables:
                 checks.check_ids_in_range("sparse_block_table", sparse_block_table[:n * h],
                                           min(k_cache.shape[0], v_cache.shape[0]) * h)
+        self._on(query.device)
         kp, vp = self._folded(k_cache), self._folded(v_cache)
         ks, vs = self._scales(k_scale, v_scale)
         common = (self.scale_tensor, ks, vs)
@@ -318,12 +382,19 @@ class SparseAttention:
                 spec = SparsePagedAttendSpec(cfg, stride)
                 args = (q, kp, vp, sparse_block_table[lo * h:hi * h].reshape(hi - lo, h, -1),
                         sparse_context_lens[lo * h:hi * h].reshape(hi - lo, h), *common)
+            elif phase is metadata.decode and self.gpu_decode:
+                spec = SparseAttnDecodeGpuSpec(cfg.replace(decode_query_len=phase.decode_query_len), stride)
+                args = (q, kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), topk[:, lo:hi],
+                        phase.block_table, phase.seq_lens, *common)
             elif phase is metadata.decode:
                 spec = SparseAttnDecodeSpec(cfg.replace(decode_query_len=phase.decode_query_len), stride)
                 args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.seq_lens, *common)
             else:
                 spec = SparseAttnPrefillSpec(cfg, stride)
                 args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.query_req_id, phase.query_abs_pos, *common)
+            if getattr(spec, "output_storage", False) and output.is_contiguous():
+                self.kernels.run(spec, *args, out=[output[lo:hi]])  # written in place
+                continue
             (o,) = self.kernels.run(spec, *args, out_dtypes=[query.dtype])
             output[lo:hi].copy_(o)
         return output

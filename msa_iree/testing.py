@@ -130,3 +130,38 @@ def prefill_case(query_lens, prefix_lens, *, num_heads=16, num_kv_heads=1, kv_dt
     tk = _topk_for(gen, pos.tolist(), num_kv_heads, topk, keep_own_prob)
     return Case(q, kc, vc, k, v, tk, bt, torch.tensor(seq_lens, dtype=torch.int32), req, pos, ks, vs,
                 HEAD_DIM ** -0.5, num_kv_heads, cu_seqlens_q=cu, prefix_lens=prefix)
+
+
+# ---- the kernel variants the GPU tests run (tests/test_gpu.py; built by tools/build_gpu_tests.py) ----
+
+# (num_heads, num_kv_heads, kv dtype, query dtype, decode L, block page stride, fp8 scale mode)
+GPU_DECODE_CASES = (
+    (16, 1, "bf16", "bf16", 1, 16, "tensor"),
+    (16, 1, "fp8_e4m3fn", "bf16", 1, 16, "token"),
+    (16, 1, "fp8_e4m3fnuz", "bf16", 4, 8, "tensor"),
+    (8, 1, "fp8_e4m3fn", "bf16", 1, 16, "tensor"),
+    (16, 2, "bf16", "bf16", 2, 16, "tensor"),
+    (16, 1, "fp16", "fp16", 3, 8, "tensor"),
+)
+# serving simulations through SparseAttention on the GPU: (kv dtype, query dtype, layout, kv heads, scale mode)
+GPU_SERVING_CASES = (
+    ("bf16", "bf16", "interleaved", 1, "tensor"),
+    ("fp8_e4m3fn", "bf16", "planes", 1, "token"),
+)
+
+
+def gpu_test_specs():
+    """Every compiled kernel tests/test_gpu.py calls, for `cuda`."""
+    from .config import MsaConfig
+    from .kernels import (InsertKvSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec, SparseAttnPrefillSpec)
+
+    specs = [RebaseBlockTableSpec(MsaConfig())]
+    for hq, h, kv, qd, L, stride, _ in GPU_DECODE_CASES:
+        cfg = MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd, decode_query_len=L)
+        specs.append(SparseAttnDecodeGpuSpec(cfg, stride))
+    for kv, qd, layout, h, _ in GPU_SERVING_CASES:
+        stride = {"interleaved": 16, "planes": 8}[layout]
+        cfg = MsaConfig(num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
+        specs += [SparseAttnPrefillSpec(cfg, stride), InsertKvSpec(cfg, stride)]
+        specs += [SparseAttnDecodeGpuSpec(cfg.replace(decode_query_len=L), stride) for L in (1, 4)]
+    return list({s.name: s for s in specs}.values())

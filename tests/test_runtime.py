@@ -9,98 +9,9 @@ from msa_iree import reference as R
 from msa_iree import testing
 from msa_iree.layout import allocate_kv_cache
 from msa_iree.runtime import BuildMismatchError, KernelLibrary, MetadataBuilder, SparseAttention, insert_kv
+from serving import Server
 
 BF16, F16, FNUZ, FN = torch.bfloat16, torch.float16, torch.float8_e4m3fnuz, torch.float8_e4m3fn
-
-
-class Server:
-    """Requests over a shared paged cache; each step inserts K/V, draws top-k, attends, checks."""
-
-    def __init__(self, kernels, kv_dtype, q_dtype, layout, num_kv_heads, scale_mode, seed):
-        self.g = torch.Generator().manual_seed(seed)
-        self.h, self.hq, self.kv_dtype, self.q_dtype = num_kv_heads, 16, kv_dtype, q_dtype
-        self.num_blocks = 24
-        self.k_cache, self.v_cache = allocate_kv_cache(self.num_blocks, num_kv_heads, kv_dtype, layout, fill=0)
-        self.free = torch.randperm(self.num_blocks, generator=self.g).tolist()
-        self.tables: dict[str, list[int]] = {}
-        self.k_scale = self.v_scale = None
-        if kv_dtype in (FNUZ, FN):
-            if scale_mode == "tensor":
-                self.k_scale, self.v_scale = torch.tensor([0.05]), torch.tensor([0.08])
-            else:
-                cap = self.num_blocks * 128
-                self.k_scale = 0.03 + 0.05 * torch.rand(num_kv_heads, cap, generator=self.g)
-                self.v_scale = 0.03 + 0.05 * torch.rand(num_kv_heads, cap, generator=self.g)
-        self.attn = SparseAttention(self.hq, num_kv_heads, 128, 128 ** -0.5, kv_dtype, kernels=kernels,
-                                    query_dtype=q_dtype)
-        self.kernels = kernels
-        self.builder = MetadataBuilder(max_num_seqs=8, max_model_len=4096, num_cache_blocks=self.num_blocks,
-                                       kernels=kernels)
-        self.lens: dict[str, int] = {}
-
-    def slots_for(self, name, start, n):
-        table = self.tables.setdefault(name, [])
-        while len(table) * 128 < start + n:
-            table.append(self.free.pop())
-        return [table[p // 128] * 128 + p % 128 for p in range(start, start + n)]
-
-    def step(self, decodes, prefills, L):
-        """decodes: names (None = padded request); prefills: (name, chunk). Returns max errors."""
-        names, qlens, computed, slots = [], [], [], []
-        for name in decodes:
-            if name is None:
-                names.append(None); qlens.append(L); computed.append(0); slots += [-1] * L
-                continue
-            start = self.lens[name]
-            names.append(name); qlens.append(L); computed.append(start); slots += self.slots_for(name, start, L)
-            self.lens[name] = start + L
-        for name, chunk in prefills:
-            start = self.lens.get(name, 0)
-            names.append(name); qlens.append(chunk); computed.append(start); slots += self.slots_for(name, start, chunk)
-            self.lens[name] = start + chunk
-        n = sum(qlens)
-        cols = max(len(self.tables.get(x, [])) for x in names if x) if any(names) else 1
-        bt = torch.tensor([(self.tables.get(x, []) + [0] * cols)[:cols] if x else [0] * cols for x in names],
-                          dtype=torch.int32)
-        seq_lens = torch.tensor([self.lens[x] if x else 0 for x in names], dtype=torch.int32)
-        qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
-        slot_mapping = torch.tensor(slots, dtype=torch.int32)
-        md = self.builder.build(bt, seq_lens, qsl, torch.tensor(computed, dtype=torch.int32), L, len(decodes),
-                                slot_mapping=slot_mapping)
-
-        key = torch.randn(n, self.h, 128, generator=self.g).to(self.q_dtype)
-        value = torch.randn(n, self.h, 128, generator=self.g).to(self.q_dtype)
-        insert_kv(self.kernels, key, value, self.k_cache, self.v_cache, md, self.k_scale, self.v_scale)
-        want_k, want_v = self.k_cache.clone(), self.v_cache.clone()
-
-        # positions per token, then a top-k that always holds the query's own block
-        pos = torch.cat([torch.arange(c, c + q) if x else torch.full((q,), -1) for x, c, q in zip(names, computed, qlens)])
-        pos = torch.where(torch.tensor([x is not None for x, q in zip(names, qlens) for _ in range(q)]),
-                          pos, -1)
-        topk = torch.tensor([[testing.random_topk_row(self.g, int(p), 16) for p in pos] for _ in range(self.h)],
-                            dtype=torch.int32)
-        q = torch.randn(n, self.hq, 128, generator=self.g).to(self.q_dtype)
-        out = torch.full_like(q, float("nan"))
-        self.attn.forward(q, self.k_cache, self.v_cache, out, topk, md, self.k_scale, self.v_scale)
-
-        ref = torch.full_like(q, float("nan"))
-        nd = md.num_decode_tokens
-        if nd:
-            R.sparse_attn_decode(q[:nd], self.k_cache, self.v_cache, topk[:, :nd], md.decode.block_table,
-                                 md.decode.seq_lens, self.h, 128 ** -0.5, ref[:nd], self.k_scale, self.v_scale,
-                                 decode_query_len=L)
-        if n > nd:
-            p = md.prefill
-            R.sparse_attn_prefill(q[nd:], self.k_cache, self.v_cache, topk[:, nd:], p.block_table, p.query_req_id,
-                                  p.query_abs_pos, self.h, 128 ** -0.5, ref[nd:], self.k_scale, self.v_scale)
-        assert torch.equal(self.k_cache.view(torch.uint8), want_k.view(torch.uint8))  # attend never writes KV
-        assert torch.equal(self.v_cache.view(torch.uint8), want_v.view(torch.uint8))
-        assert not out.isnan().any(), "padded rows must be finite and every row written"
-        active = pos >= 0
-        err = (out[active].float() - ref[active].float()).abs()
-        assert err.max() < 1.7e-2 and err.mean() < 2.5e-4, (err.max(), err.mean())
-        assert out[~active].eq(0).all()
-        return md
 
 
 @pytest.mark.parametrize("kv, qd, layout, hkv, smode", [

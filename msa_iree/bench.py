@@ -1,0 +1,274 @@
+"""The MSA benchmark protocol (ANCHORS.md) on one IREE device, against torch eager in the same run.
+
+Per decode case (batch x context x L x heads per KV head x KV dtype; every row sees 16 blocks,
+its own block always among them):
+- the output of the compiled attend is checked against the torch reference first;
+- kernel_us: the module's own time, from `chain` (n attends back to back in one invocation,
+  (wall(n2) - wall(n1)) / (n2 - n1), so IREE's per-invocation cost cancels); consecutive calls
+  read block tables of different rotations, which map to different cache blocks of a pool
+  >= 256 MiB, so the L2 (50 MiB on an H200) is cold for each call;
+- call_us: one synchronous module call from Python (lib.run: DLPack in and out), and
+  forward_us: one SparseAttention.forward (checks + call + copy into `output`), medians;
+- torch_us: torch eager's reference attend over the prebuilt page table (CUDA events, median);
+- GB/s counts the selected K and V bytes the queries see, divided by kernel_us, and % copy
+  relates it to a device-to-device copy measured in the same run.
+Prefill (q = 4096 over a 32K context, portable module) reports forward_us and torch_us.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from . import reference
+from .config import DTYPES, MsaConfig
+from .kernels import SparseAttnDecodeGpuSpec, storage_dtype
+from .layout import BLOCK_SIZE, allocate_kv_cache
+from .runtime import KernelLibrary, MetadataBuilder, SparseAttention, module_scale
+
+TOPK = 16
+POOL_BYTES = 256 << 20  # cache pool for the L2 rotation: ~5x the H200's 50 MiB L2
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def wall_us(fn, iters, device):
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def events_us(fn, iters, device):
+    if device.type != "cuda":
+        return wall_us(fn, iters, device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record(); fn(); end.record(); torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_GBps(device, nbytes=1 << 30):
+    """Device-to-device copy, bytes read + written per second (the run's own bandwidth limit)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    us = events_us(lambda: b.copy_(a), 10, device)
+    return 2 * nbytes / us / 1e3
+
+
+class DecodeCase:
+    """A decode batch on `device`: every request has `context` tokens, the last L of them new;
+    each row selects its own block and 15 older distinct blocks."""
+
+    def __init__(self, batch, context, L, num_heads, kv_dtype, device, rotations, seed=0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.L, self.batch, self.context = L, batch, context
+        blocks_per_req = -(-context // BLOCK_SIZE)
+        block_bytes = 2 * BLOCK_SIZE * 128 * torch.empty((), dtype=kv_dtype).element_size()
+        pool = max(batch * blocks_per_req, POOL_BYTES // block_bytes)
+        self.k_cache, self.v_cache = allocate_kv_cache(pool, 1, kv_dtype, device=device)
+        raw = self.k_cache.view(-1)[: pool * 16 * 2048]  # the whole buffer (interleaved)
+        if kv_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            # random finite codes of either sign; magnitude >= 1 keeps clear of 0x80 (NaN in e4m3fnuz)
+            raw.view(torch.uint8).copy_(torch.randint(1, 0x78, raw.shape, generator=g, device=device, dtype=torch.uint8)
+                                        | (torch.randint(0, 2, raw.shape, generator=g, device=device,
+                                                         dtype=torch.uint8) << 7))
+            self.k_scale = torch.tensor([0.05], device=device)
+            self.v_scale = torch.tensor([0.08], device=device)
+        else:
+            raw.copy_(torch.randn(raw.shape, generator=g, device=device).to(kv_dtype))
+            self.k_scale = self.v_scale = None
+        # rotations of the block table: each a random injective map into the pool
+        self.bt_rot = torch.stack([torch.randperm(pool, generator=g, device=device)[: batch * blocks_per_req]
+                                   .reshape(batch, blocks_per_req).int() for _ in range(rotations)])
+        self.block_table = self.bt_rot[0].contiguous()
+        self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        tokens = batch * L
+        pos = (self.seq_lens.long().repeat_interleave(L) - L + torch.arange(L, device=device).repeat(batch))
+        own = pos // BLOCK_SIZE
+        older = torch.rand(tokens, int(own.max()) + 1, generator=g, device=device)
+        older = older.masked_fill(torch.arange(older.shape[1], device=device)[None, :] >= own[:, None], 2.0)
+        picks = older.argsort(dim=1)[:, : TOPK - 1]
+        picks = torch.where(torch.gather(older, 1, picks) < 2.0, picks, -1)
+        self.topk = torch.cat([own[:, None], picks], 1).int()[None]           # [1, T, 16]
+        self.q = torch.randn(tokens, num_heads, 128, generator=g, device=device).to(torch.bfloat16)
+        self.visible_tokens = int(torch.minimum((pos + 1), torch.tensor(TOPK * BLOCK_SIZE, device=device)).sum())
+        self.kv_bytes = self.visible_tokens * 128 * 2 * self.k_cache.element_size()
+
+
+def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rotations=16):
+    kv_dtype = DTYPES[kv_name]
+    c = DecodeCase(batch, context, L, num_heads, kv_dtype, device, rotations, seed=batch * 31 + L)
+    scale = 128 ** -0.5
+    attn = SparseAttention(num_heads, 1, 128, scale, kv_dtype, kernels=lib)
+    builder = MetadataBuilder(max_num_seqs=batch, max_model_len=context, kernels=lib, device=device)
+    qsl = torch.arange(0, batch * L + 1, L, dtype=torch.int32, device=device)
+    md = builder.build(c.block_table, c.seq_lens, qsl, c.seq_lens - L, decode_query_len=L, num_decodes=batch)
+    out = torch.full_like(c.q, float("nan"))
+    attn.forward(c.q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale)
+
+    bt, ctx = reference.build_sparse_block_table_decode(c.topk, c.block_table, c.seq_lens, L, 16)
+    ref = torch.empty_like(c.q)
+    eager = lambda: reference.sparse_paged_attend(c.q, c.k_cache, c.v_cache, bt, ctx, 1, scale, ref,
+                                                  c.k_scale, c.v_scale)
+    eager()
+    err = (out.float() - ref.float()).abs()
+    row = {"phase": "decode", "batch": batch, "context": context, "L": L, "q_heads": num_heads, "kv_dtype": kv_name,
+           "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "kv_MB": c.kv_bytes / 1e6}
+
+    forward_us = wall_us(lambda: attn.forward(c.q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale),
+                         iters, device)
+    row.update(forward_us=forward_us, torch_us=events_us(eager, iters, device))
+    if attn.gpu_decode:
+        spec = SparseAttnDecodeGpuSpec(attn.cfg.replace(decode_query_len=L), 16)
+        kp = attn._folded(c.k_cache)
+        vp = attn._folded(c.v_cache)
+        ks, vs = attn._scales(c.k_scale, c.v_scale)
+        args = [c.q, kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), c.topk, c.block_table, c.seq_lens,
+                attn.scale_tensor, ks.contiguous(), vs.contiguous()]
+        row["call_us"] = wall_us(lambda: lib.run(spec, *args, out=[out]), iters, device)
+        chain = lib.function(spec, "chain")
+        iree_args = [lib.to_iree(a) for a in args]
+        iree_args[4] = lib.to_iree(c.bt_rot)
+        n1, n2 = 10, 10 + 4 * rotations
+        chain(*iree_args, n1)  # warm up
+        t1 = wall_us(lambda: chain(*iree_args, n1), 5, device)
+        t2 = wall_us(lambda: chain(*iree_args, n2), 5, device)
+        kernel_us = (t2 - t1) / (n2 - n1)
+        row.update(kernel_us=kernel_us, GBps=c.kv_bytes / kernel_us / 1e3, x_torch=row["torch_us"] / kernel_us,
+                   overhead_us=row["call_us"] - kernel_us)
+    else:
+        row.update(kernel_us=None, GBps=c.kv_bytes / forward_us / 1e3, x_torch=row["torch_us"] / forward_us)
+    del c
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return row
+
+
+def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_heads=16):
+    """One request computing its last q_len tokens over a context of `context` (portable module)."""
+    kv_dtype = DTYPES[kv_name]
+    c = DecodeCase(1, context, q_len, num_heads, kv_dtype, device, 1, seed=5)
+    scale = 128 ** -0.5
+    attn = SparseAttention(num_heads, 1, 128, scale, kv_dtype, kernels=lib)
+    builder = MetadataBuilder(max_num_seqs=1, max_model_len=context, kernels=lib, device=device)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+    md = builder.build(c.block_table, c.seq_lens, qsl, c.seq_lens - q_len, decode_query_len=1, num_decodes=0)
+    out = torch.full_like(c.q, float("nan"))
+    fwd = lambda: attn.forward(c.q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale)
+    fwd()
+    p = md.prefill
+    bt, ctx = reference.build_sparse_block_table_prefill(c.topk, p.block_table, p.query_req_id, p.query_abs_pos, 16)
+    ref = torch.empty_like(c.q)
+    eager = lambda: reference.sparse_paged_attend(c.q, c.k_cache, c.v_cache, bt, ctx, 1, scale, ref,
+                                                  c.k_scale, c.v_scale)
+    eager()
+    err = (out.float() - ref.float()).abs()
+    forward_us = wall_us(fwd, iters, device)
+    torch_us = events_us(eager, iters, device)
+    return {"phase": "prefill", "batch": 1, "context": context, "L": q_len, "q_heads": num_heads, "kv_dtype": kv_name,
+            "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "kv_MB": c.kv_bytes / 1e6,
+            "forward_us": forward_us, "torch_us": torch_us, "kernel_us": None,
+            "GBps": c.kv_bytes / forward_us / 1e3, "x_torch": torch_us / forward_us}
+
+
+def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_lens=(1, 4), prefill=True):
+    """The compiled kernels a bench run calls (stride 16: the interleaved cache the cases use)."""
+    from .kernels import RebaseBlockTableSpec, SparseAttnPrefillSpec
+
+    specs = [RebaseBlockTableSpec(MsaConfig())]
+    for kv in kv_dtypes:
+        for hq in heads:
+            cfg = MsaConfig(num_heads=hq, kv_dtype=kv)
+            specs += [SparseAttnDecodeGpuSpec(cfg.replace(decode_query_len=L), 16) for L in decode_query_lens]
+        if prefill:
+            specs.append(SparseAttnPrefillSpec(MsaConfig(kv_dtype=kv), 16))
+    return specs
+
+
+def format_table(rows, copy_GBps):
+    head = (f"{'phase':>7} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'L':>4} {'kernel us':>9} {'GB/s':>6} {'%copy':>5} "
+            f"{'call us':>8} {'fwd us':>8} {'torch us':>9} {'x torch':>7} {'max err':>8}")
+    lines = [f"device-to-device copy: {copy_GBps:.0f} GB/s", head]
+    for r in rows:
+        k = f"{r['kernel_us']:9.1f}" if r.get("kernel_us") else f"{'-':>9}"
+        call = f"{r['call_us']:8.1f}" if r.get("call_us") else f"{'-':>8}"
+        lines.append(f"{r['phase']:>7} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} {r['batch']:>4} {r['context']:>6} "
+                     f"{r['L']:>4} {k} {r['GBps']:6.0f} {100 * r['GBps'] / copy_GBps:5.1f} {call} "
+                     f"{r['forward_us']:8.1f} {r['torch_us']:9.1f} {r['x_torch']:7.2f} {r['max_abs_err']:8.1e}")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kv in sorted({r["kv_dtype"] for r in rows}):
+        for hq in sorted({r["q_heads"] for r in rows}):
+            pts = sorted((r["batch"], r["GBps"]) for r in rows if r["phase"] == "decode" and r["kv_dtype"] == kv
+                         and r["q_heads"] == hq and r["L"] == 1 and r["context"] == min(x["context"] for x in rows))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{kv}, {hq} q heads, L=1")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("decode batch")
+    ax.set_ylabel("GB/s of selected K/V")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="msa-iree bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="cuda", help="cuda (NVIDIA) or host; gfx942 needs an AMD GPU (none here)")
+    p.add_argument("--build-dir", required=True, help="a build of the target (msa-iree compile / tools/build_bench.py)")
+    p.add_argument("--batch", default="8,32,64,128")
+    p.add_argument("--context", default="4096,32768,131072")
+    p.add_argument("--L", default="1,4")
+    p.add_argument("--heads", default="16,8", help="query heads per KV head: 16 = TP4, 8 = TP8")
+    p.add_argument("--kv-dtype", default="bf16,fp8_e4m3fn")
+    p.add_argument("--prefill", action="store_true", help="also prefill q=4096 over 32K (portable module)")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--plot", help="write a PNG of GB/s vs batch here")
+    a = p.parse_args(argv)
+    device = torch.device("cuda" if a.target in ("cuda", "hip") else "cpu")
+    lib = KernelLibrary(a.target, a.build_dir, compile_missing=False)
+    copy = copy_bandwidth_GBps(device)
+    rows = []
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    for kv in a.kv_dtype.split(","):
+        for hq in ints(a.heads):
+            for L in ints(a.L):
+                for ctx in ints(a.context):
+                    for b in ints(a.batch):
+                        r = bench_decode(lib, device, b, ctx, L, hq, kv, a.iters)
+                        rows.append(r)
+                        print(json.dumps(r), flush=True)
+        if a.prefill:
+            r = bench_prefill(lib, device, kv, max(3, a.iters // 10))
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    print(format_table(rows, copy))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"copy_GBps": copy, "rows": rows}, f, indent=1)
+    if a.plot:
+        plot(rows, a.plot)
+    return 0

@@ -1,0 +1,128 @@
+"""The GPU-level kernels and the zero-copy runtime, run on a CUDA GPU through IREE's cuda driver.
+
+These tests need an NVIDIA GPU, the iree-base-runtime cuda driver and prebuilt cuda modules
+(`python tools/build_gpu_tests.py --out DIR`, then MSA_IREE_CUDA_BUILD=DIR): the CPU CI has none
+of them, so there they are skipped with the reason; tools/PERF.md records their last GPU run.
+"""
+import functools
+import os
+import pathlib
+
+import pytest
+import torch
+
+from msa_iree import reference as R
+from msa_iree import testing
+from msa_iree.config import DTYPES, MsaConfig
+from msa_iree.kernels import SparseAttnDecodeGpuSpec, storage_dtype
+
+pytestmark = pytest.mark.gpu
+BUILD = pathlib.Path(os.environ.get("MSA_IREE_CUDA_BUILD", pathlib.Path(__file__).resolve().parent.parent / "build" / "cuda-tests"))
+
+
+@functools.cache
+def _library_or_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (GPU-level kernels are tested on an NVIDIA GPU; see tools/PERF.md)"
+    try:
+        import iree.runtime as rt
+
+        rt.get_driver("cuda")
+    except Exception as e:  # noqa: BLE001 - any failure means: no usable driver
+        return f"IREE cuda driver unavailable: {e}"
+    if not (BUILD / "manifest.json").exists():
+        return f"no cuda test build at {BUILD} (python tools/build_gpu_tests.py --out {BUILD})"
+    from msa_iree.runtime import KernelLibrary
+
+    return KernelLibrary("cuda", BUILD, compile_missing=False)
+
+
+@pytest.fixture
+def cuda_kernels():
+    lib = _library_or_reason()
+    if isinstance(lib, str):
+        pytest.skip(lib)
+    return lib
+
+
+def _flat_pages(cache):
+    """SHUFFLE view -> [pages * H, 2048] storage elements (the GPU kernel's operand)."""
+    return cache.reshape(cache.shape[0] * cache.shape[1], -1).view(storage_dtype(cache.dtype))
+
+
+@pytest.mark.parametrize("hq, h, kv, qd, L, stride, smode", testing.GPU_DECODE_CASES,
+                         ids=[f"h{c[0]}kv{c[1]}-{c[2]}-L{c[4]}-s{c[5]}-{c[6]}" for c in testing.GPU_DECODE_CASES])
+def test_decode_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, stride, smode):
+    # padded (0), a lone token, block edges (127/128/129), 16 full blocks and a long context
+    seq = [0, 1, 127, 128, 129, 300, 2048, 2049, 5000, 9000]
+    seq = [s if s == 0 else max(s, L) for s in seq]
+    c = testing.decode_case(seq, decode_query_len=L, num_heads=hq, num_kv_heads=h, kv_dtype=DTYPES[kv],
+                            q_dtype=DTYPES[qd], layout="interleaved" if stride == 16 else "planes",
+                            seed=hq + 7 * L + stride, scale_mode=smode)
+    # duplicates: the own block twice (counted once) and an older block twice (counted twice, as the table does)
+    t = c.topk.shape[1] - 1
+    own = int(c.query_abs_pos[t]) // 128
+    c.topk[0, t, :4] = torch.tensor([own, own, 3, 3], dtype=torch.int32)
+    spec = SparseAttnDecodeGpuSpec(MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd,
+                                             decode_query_len=L), stride)
+    dev = torch.device("cuda")
+    ones = torch.ones(h, 1)
+    ks = ones if c.k_scale is None else c.k_scale.reshape(1, 1).expand(h, 1) if c.k_scale.numel() == 1 else c.k_scale
+    vs = ones if c.v_scale is None else c.v_scale.reshape(1, 1).expand(h, 1) if c.v_scale.numel() == 1 else c.v_scale
+    args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, c.seq_lens,
+            torch.tensor([c.scale]), ks.contiguous(), vs.contiguous()]
+    out = torch.full(c.q.shape, float("nan"), dtype=DTYPES[qd], device=dev)  # poisoned: every element must be written
+    (got,) = cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out])
+    assert got is out
+
+    ref = torch.full_like(c.q, float("nan"))
+    R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, h, c.scale, ref,
+                         c.k_scale, c.v_scale, decode_query_len=L)
+    out = out.cpu()
+    assert not out.isnan().any()
+    err = (out.float() - ref.float()).abs()
+    assert err.max() < 1.7e-2 and err.mean() < 2.5e-4, (float(err.max()), float(err.mean()))
+    empty = c.query_abs_pos < 0
+    assert out[empty].eq(0).all(), "rows of padded requests must be exactly zero"
+
+
+def test_output_is_written_in_place(cuda_kernels):
+    """The GPU attend writes into the caller's tensor (iree.abi.output over a DLPack import): the
+    same memory, and rows outside the slice it was given stay untouched."""
+    c = testing.decode_case([300, 2049], seed=3)
+    spec = SparseAttnDecodeGpuSpec(MsaConfig(), 16)
+    dev = torch.device("cuda")
+    args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, c.seq_lens,
+            torch.tensor([c.scale]), torch.ones(1, 1), torch.ones(1, 1)]
+    big = torch.full((4, 16, 128), 7.0, dtype=torch.bfloat16, device=dev)
+    target = big[1:3]
+    ptr = target.data_ptr()
+    cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[target])
+    assert target.data_ptr() == ptr
+    ref = torch.empty_like(c.q)
+    R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref)
+    assert (big[1:3].cpu().float() - ref.float()).abs().max() < 1.7e-2
+    assert big[0].eq(7).all() and big[3].eq(7).all()
+
+
+def test_results_come_back_on_the_gpu(cuda_kernels):
+    """A module that allocates its result (the page-16 rebase) returns a torch GPU tensor."""
+    from msa_iree.kernels import RebaseBlockTableSpec
+
+    bt = torch.randint(-1, 1000, (5, 9), dtype=torch.int32, device="cuda")
+    (got,) = cuda_kernels.run(RebaseBlockTableSpec(MsaConfig()), bt, out_dtypes=[torch.int32])
+    assert got.device.type == "cuda"
+    assert torch.equal(got, R.rebase_block_table_to_page16(bt))
+
+
+@pytest.mark.parametrize("kv, qd, layout, h, smode", testing.GPU_SERVING_CASES)
+def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode):
+    from serving import Server
+
+    s = Server(cuda_kernels, DTYPES[kv], DTYPES[qd], layout, h, smode, seed=11, device="cuda")
+    assert s.attn.gpu_decode
+    s.step([], [("a", 200), ("b", 130)], 1)
+    s.step(["b", None], [("a", 100), ("c", 129)], 1)
+    s.step(["a", "b", "c", None], [], 4)
+    s.step(["a", "c"], [("d", 255), ("b", 3)], 4)
+    assert s.k_cache.device.type == "cuda"
