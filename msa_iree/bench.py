@@ -3,10 +3,12 @@
 Per decode case (batch x context x L x heads per KV head x KV dtype; every row sees 16 blocks,
 its own block always among them):
 - the output of the compiled attend is checked against the torch reference first;
-- kernel_us: the module's own time, from `chain` (n attends back to back in one invocation,
-  (wall(n2) - wall(n1)) / (n2 - n1), so IREE's per-invocation cost cancels); consecutive calls
-  read block tables of different rotations, which map to different cache blocks of a pool
-  >= 256 MiB, so the L2 (50 MiB on an H200) is cold for each call;
+- kernel_us: the device time of the module's kernels in one forward call (CUDA activity records
+  through torch.profiler), with the L2 flushed (a 512 MiB write) before each call;
+- chained_us: per attend when n run back to back in one invocation (`chain`, (wall(n2) -
+  wall(n1)) / (n2 - n1)): kernel time plus IREE's launch gaps inside an invocation; consecutive
+  calls read block tables of different rotations, mapping to different blocks of a >= 256 MiB
+  pool, so the L2 stays cold;
 - call_us: one synchronous module call from Python (lib.run: DLPack in and out), and
   forward_us: one SparseAttention.forward (checks + call + copy into `output`), medians;
 - torch_us: torch eager's reference attend over the prebuilt page table (CUDA events, median);
@@ -49,15 +51,43 @@ def wall_us(fn, iters, device):
     return statistics.median(times) * 1e6
 
 
-def events_us(fn, iters, device):
+def events_us(fn, iters, device, flush=None):
     if device.type != "cuda":
         return wall_us(fn, iters, device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(iters):
+        if flush is not None:
+            flush()
         start.record(); fn(); end.record(); torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def kernel_us(fn, device, iters=10, flush=None):
+    """Device time of the kernels `fn` launches (all of them, summed per call), median over
+    calls, from CUDA's activity records (torch.profiler/CUPTI sees IREE's launches too).
+    `flush` runs before each call (outside the measurement) to evict the L2."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(iters):
+        if flush is not None:
+            flush()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        per_call.append(sum(e.device_time for e in prof.events()
+                            if e.device_type == torch.autograd.DeviceType.CUDA))
+    return statistics.median(per_call)
+
+
+def l2_flusher(device, nbytes=512 << 20):
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return lambda: buf.zero_()
 
 
 def copy_bandwidth_GBps(device, nbytes=1 << 30):
@@ -129,10 +159,11 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
     row = {"phase": "decode", "batch": batch, "context": context, "L": L, "q_heads": num_heads, "kv_dtype": kv_name,
            "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "kv_MB": c.kv_bytes / 1e6}
 
-    forward_us = wall_us(lambda: attn.forward(c.q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale),
-                         iters, device)
-    row.update(forward_us=forward_us, torch_us=events_us(eager, iters, device))
-    if attn.gpu_decode:
+    fwd = lambda: attn.forward(c.q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale)
+    forward_us = wall_us(fwd, iters, device)
+    flush = l2_flusher(device)
+    row.update(forward_us=forward_us, torch_us=events_us(eager, iters, device, flush))
+    if attn.gpu_decode and device.type == "cuda":
         spec = SparseAttnDecodeGpuSpec(attn.cfg.replace(decode_query_len=L), 16)
         kp = attn._folded(c.k_cache)
         vp = attn._folded(c.v_cache)
@@ -143,13 +174,13 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
         chain = lib.function(spec, "chain")
         iree_args = [lib.to_iree(a) for a in args]
         iree_args[4] = lib.to_iree(c.bt_rot)
-        n1, n2 = 10, 10 + 4 * rotations
+        n1, n2 = 4, 4 + 2 * rotations
         chain(*iree_args, n1)  # warm up
-        t1 = wall_us(lambda: chain(*iree_args, n1), 5, device)
-        t2 = wall_us(lambda: chain(*iree_args, n2), 5, device)
-        kernel_us = (t2 - t1) / (n2 - n1)
-        row.update(kernel_us=kernel_us, GBps=c.kv_bytes / kernel_us / 1e3, x_torch=row["torch_us"] / kernel_us,
-                   overhead_us=row["call_us"] - kernel_us)
+        t1 = wall_us(lambda: chain(*iree_args, n1), 3, device)
+        t2 = wall_us(lambda: chain(*iree_args, n2), 3, device)
+        k_us = kernel_us(fwd, device, flush=flush)
+        row.update(kernel_us=k_us, chained_us=(t2 - t1) / (n2 - n1), GBps=c.kv_bytes / k_us / 1e3,
+                   x_torch=row["torch_us"] / k_us, overhead_us=forward_us - k_us, forward_over_kernel=forward_us / k_us)
     else:
         row.update(kernel_us=None, GBps=c.kv_bytes / forward_us / 1e3, x_torch=row["torch_us"] / forward_us)
     del c
@@ -177,11 +208,13 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
     eager()
     err = (out.float() - ref.float()).abs()
     forward_us = wall_us(fwd, iters, device)
-    torch_us = events_us(eager, iters, device)
+    flush = l2_flusher(device) if device.type == "cuda" else None
+    torch_us = events_us(eager, iters, device, flush)
+    k_us = kernel_us(fwd, device, iters=iters, flush=flush) if device.type == "cuda" else forward_us
     return {"phase": "prefill", "batch": 1, "context": context, "L": q_len, "q_heads": num_heads, "kv_dtype": kv_name,
             "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "kv_MB": c.kv_bytes / 1e6,
-            "forward_us": forward_us, "torch_us": torch_us, "kernel_us": None,
-            "GBps": c.kv_bytes / forward_us / 1e3, "x_torch": torch_us / forward_us}
+            "forward_us": forward_us, "torch_us": torch_us, "kernel_us": k_us, "forward_over_kernel": forward_us / k_us,
+            "GBps": c.kv_bytes / k_us / 1e3, "x_torch": torch_us / k_us}
 
 
 def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_lens=(1, 4), prefill=True):
@@ -200,14 +233,16 @@ def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_le
 
 def format_table(rows, copy_GBps):
     head = (f"{'phase':>7} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'L':>4} {'kernel us':>9} {'GB/s':>6} {'%copy':>5} "
-            f"{'call us':>8} {'fwd us':>8} {'torch us':>9} {'x torch':>7} {'max err':>8}")
+            f"{'chain us':>8} {'call us':>8} {'fwd us':>8} {'fwd/k':>5} {'torch us':>9} {'x torch':>7} {'max err':>8}")
     lines = [f"device-to-device copy: {copy_GBps:.0f} GB/s", head]
     for r in rows:
         k = f"{r['kernel_us']:9.1f}" if r.get("kernel_us") else f"{'-':>9}"
         call = f"{r['call_us']:8.1f}" if r.get("call_us") else f"{'-':>8}"
+        chain = f"{r['chained_us']:8.1f}" if r.get("chained_us") else f"{'-':>8}"
+        ratio = f"{r['forward_over_kernel']:5.2f}" if r.get("forward_over_kernel") else f"{'-':>5}"
         lines.append(f"{r['phase']:>7} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} {r['batch']:>4} {r['context']:>6} "
-                     f"{r['L']:>4} {k} {r['GBps']:6.0f} {100 * r['GBps'] / copy_GBps:5.1f} {call} "
-                     f"{r['forward_us']:8.1f} {r['torch_us']:9.1f} {r['x_torch']:7.2f} {r['max_abs_err']:8.1e}")
+                     f"{r['L']:>4} {k} {r['GBps']:6.0f} {100 * r['GBps'] / copy_GBps:5.1f} {chain} {call} "
+                     f"{r['forward_us']:8.1f} {ratio} {r['torch_us']:9.1f} {r['x_torch']:7.2f} {r['max_abs_err']:8.1e}")
     return "\n".join(lines)
 
 
@@ -237,7 +272,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="msa-iree bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="cuda", help="cuda (NVIDIA) or host; gfx942 needs an AMD GPU (none here)")
-    p.add_argument("--build-dir", required=True, help="a build of the target (msa-iree compile / tools/build_bench.py)")
+    p.add_argument("--build-dir", help="a build of the target (tools/build_gpu_tests.py builds what a run calls)")
     p.add_argument("--batch", default="8,32,64,128")
     p.add_argument("--context", default="4096,32768,131072")
     p.add_argument("--L", default="1,4")
@@ -246,29 +281,42 @@ def main(argv=None):
     p.add_argument("--prefill", action="store_true", help="also prefill q=4096 over 32K (portable module)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--plot", help="write a PNG of GB/s vs batch here")
+    p.add_argument("--plot", help="write a PNG of GB/s vs batch here (needs matplotlib)")
+    p.add_argument("--from-json", help="no run: print the table (and --plot) of an earlier run's JSON")
     a = p.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            run = json.load(f)
+        print(format_table(run["rows"], run["copy_GBps"]))
+        if a.plot:
+            plot(run["rows"], a.plot)
+        return 0
+    if not a.build_dir:
+        p.error("--build-dir is required for a run")
     device = torch.device("cuda" if a.target in ("cuda", "hip") else "cpu")
     lib = KernelLibrary(a.target, a.build_dir, compile_missing=False)
-    copy = copy_bandwidth_GBps(device)
+    copy = copy_bandwidth_GBps(device) if device.type == "cuda" else float("nan")
     rows = []
+
+    def report(row):  # one JSON line per case, and the JSON file rewritten as the run goes
+        print(json.dumps(row), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"copy_GBps": copy, "device": torch.cuda.get_device_name() if device.type == "cuda"
+                           else "cpu", "rows": rows}, f, indent=1)
+
     ints = lambda s: [int(x) for x in s.split(",") if x]
     for kv in a.kv_dtype.split(","):
         for hq in ints(a.heads):
             for L in ints(a.L):
                 for ctx in ints(a.context):
                     for b in ints(a.batch):
-                        r = bench_decode(lib, device, b, ctx, L, hq, kv, a.iters)
-                        rows.append(r)
-                        print(json.dumps(r), flush=True)
+                        rows.append(bench_decode(lib, device, b, ctx, L, hq, kv, a.iters))
+                        report(rows[-1])
         if a.prefill:
-            r = bench_prefill(lib, device, kv, max(3, a.iters // 10))
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+            rows.append(bench_prefill(lib, device, kv, max(3, a.iters // 10)))
+            report(rows[-1])
     print(format_table(rows, copy))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"copy_GBps": copy, "rows": rows}, f, indent=1)
     if a.plot:
         plot(rows, a.plot)
     return 0

@@ -30,7 +30,7 @@ LAYOUTS = ("interleaved", "planes")
 
 def elements_per_16_bytes(dtype: torch.dtype) -> int:
     """x of the SHUFFLE layout: 16 for fp8, 8 for bf16/fp16."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    return 16 // dtype.itemsize
 
 
 def sides_are_packed(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
