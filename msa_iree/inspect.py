@@ -27,7 +27,8 @@ def _kernels(text: str):
 
 
 def _body(text: str, name: str) -> str:
-    m = re.search(rf"^{re.escape(name)}:\s*$(.*?)^\s*s_endpgm", text, re.S | re.M)
+    """The function's instructions: from its label to its .Lfunc_end (an early s_endpgm may come first)."""
+    m = re.search(rf"^{re.escape(name)}:\s*$(.*?)^\.Lfunc_end\d+:", text, re.S | re.M)
     return m.group(1) if m else ""
 
 

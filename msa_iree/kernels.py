@@ -556,6 +556,7 @@ class SparseAttnDecodeGpuSpec(KernelSpec):
     kernel = "sparse_attn_decode_gpu"
     template = "sparse_attn_decode_gpu.mlir.j2"
     output_storage = True  # `main` takes the output tensor last and writes into it (iree.abi.output)
+    prefill = False
     targets = ("cuda", "gfx942")
     GROUP_SIZES = (8, 16)
 
@@ -574,16 +575,54 @@ class SparseAttnDecodeGpuSpec(KernelSpec):
         c = self.cfg
         return render_template(self.template, G=c.group_size, H=c.num_kv_heads, L=c.decode_query_len,
                                QT=_MLIR_ELEMENT[c.query_dtype], KT=_MLIR_ELEMENT[c.kv_dtype],
-                               FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride)
+                               FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill)
 
     def describe(self) -> dict:
         return {**super().describe(), "template": self.template, "targets": list(self.targets)}
 
 
+class SparseAttnPrefillGpuSpec(SparseAttnDecodeGpuSpec):
+    """The same GPU-level attend for (chunked) prefill rows: each token's request and absolute
+    position come from query_req_id / query_abs_pos (operands in SparseAttnPrefillSpec's order)."""
+
+    kernel = "sparse_attn_prefill_gpu"
+    prefill = True
+
+    @property
+    def variant(self):
+        return KernelSpec.variant.fget(self)
+
+
 ATTEND_SPECS = (SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 TABLE_SPECS = (BuildDecodeTableSpec, BuildPrefillTableSpec)
 REBASE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec)
-GPU_SPECS = (SparseAttnDecodeGpuSpec,)
+class InsertKvGpuSpec(KernelSpec):
+    """The KV insert as one hand-written GPU-level MLIR text (insert_kv_gpu.mlir.j2), in place.
+
+    Operands as InsertKvSpec's; `main` writes into the cache argument itself (iree.abi.output on
+    it, dispatch tied to it), so the call updates the caller's buffer without a copy. GPU
+    targets only.
+    """
+
+    kernel = "insert_kv_gpu"
+    template = "insert_kv_gpu.mlir.j2"
+    targets = ("cuda", "gfx942")
+
+    @property
+    def variant(self):
+        c = self.cfg
+        return f"kv{c.num_kv_heads}.{c.kv_dtype}.q{c.query_dtype}.s{self.stride}"
+
+    def render(self) -> str:
+        c = self.cfg
+        return render_template(self.template, H=c.num_kv_heads, QT=_MLIR_ELEMENT[c.query_dtype],
+                               KT=_MLIR_ELEMENT[c.kv_dtype], FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "template": self.template, "targets": list(self.targets)}
+
+
+GPU_SPECS = (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec, InsertKvGpuSpec)
 ALL_KERNELS = {cls.kernel: cls for cls in (*REBASE_SPECS, *TABLE_SPECS, *ATTEND_SPECS, InsertKvSpec, *GPU_SPECS)}
 
 
@@ -600,6 +639,10 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
                       SparseAttnDecodeSpec(cfg.replace(decode_query_len=L), stride)]
             if gpu:
                 specs.append(SparseAttnDecodeGpuSpec(cfg.replace(decode_query_len=L), stride))
+        if gpu:
+            specs.append(SparseAttnPrefillGpuSpec(cfg, stride))
+        if target in InsertKvGpuSpec.targets:
+            specs.append(InsertKvGpuSpec(cfg, stride))
         specs += [cls(cfg, stride) for cls in (BuildPrefillTableSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec,
                                                InsertKvSpec)]
     return specs

@@ -150,18 +150,30 @@ GPU_SERVING_CASES = (
 )
 
 
+# the in-place GPU insert: (kv dtype, key dtype, layout, kv heads)
+GPU_INSERT_CASES = (
+    ("fp8_e4m3fn", "bf16", "interleaved", 1),
+    ("fp8_e4m3fnuz", "bf16", "planes", 2),
+    ("bf16", "bf16", "planes", 1),
+    ("fp16", "bf16", "interleaved", 2),
+)
+
+
 def gpu_test_specs():
     """Every compiled kernel tests/test_gpu.py calls, for `cuda`."""
     from .config import MsaConfig
-    from .kernels import (InsertKvSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec, SparseAttnPrefillSpec)
+    from .kernels import (InsertKvGpuSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec)
 
     specs = [RebaseBlockTableSpec(MsaConfig())]
     for hq, h, kv, qd, L, stride, _ in GPU_DECODE_CASES:
         cfg = MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd, decode_query_len=L)
-        specs.append(SparseAttnDecodeGpuSpec(cfg, stride))
+        specs += [SparseAttnDecodeGpuSpec(cfg, stride), SparseAttnPrefillGpuSpec(cfg.replace(decode_query_len=1), stride)]
     for kv, qd, layout, h, _ in GPU_SERVING_CASES:
         stride = {"interleaved": 16, "planes": 8}[layout]
         cfg = MsaConfig(num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
-        specs += [SparseAttnPrefillSpec(cfg, stride), InsertKvSpec(cfg, stride)]
+        specs += [SparseAttnPrefillGpuSpec(cfg, stride), InsertKvGpuSpec(cfg, stride)]
         specs += [SparseAttnDecodeGpuSpec(cfg.replace(decode_query_len=L), stride) for L in (1, 4)]
+    for kv, qd, layout, h in GPU_INSERT_CASES:
+        cfg = MsaConfig(num_heads=8 * h, num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
+        specs.append(InsertKvGpuSpec(cfg, {"interleaved": 16, "planes": 8}[layout]))
     return list({s.name: s for s in specs}.values())

@@ -86,6 +86,35 @@ def test_decode_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, str
     assert out[empty].eq(0).all(), "rows of padded requests must be exactly zero"
 
 
+@pytest.mark.parametrize("hq, h, kv, qd, L, stride, smode", testing.GPU_DECODE_CASES,
+                         ids=[f"h{c[0]}kv{c[1]}-{c[2]}-s{c[5]}-{c[6]}" for c in testing.GPU_DECODE_CASES])
+def test_prefill_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, stride, smode):
+    from msa_iree.kernels import SparseAttnPrefillGpuSpec
+
+    # chunks with and without a prefix, crossing block edges, one token, a long prompt
+    c = testing.prefill_case([130, 1, 127, 300, 64], [0, 128, 1, 2000, 4000], num_heads=hq, num_kv_heads=h,
+                             kv_dtype=DTYPES[kv], q_dtype=DTYPES[qd], layout="interleaved" if stride == 16 else "planes",
+                             seed=hq + stride, scale_mode=smode)
+    c.query_abs_pos[5] = -1  # a padded token: must come out exactly zero
+    spec = SparseAttnPrefillGpuSpec(MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd), stride)
+    dev = torch.device("cuda")
+    ones = torch.ones(h, 1)
+    ks = ones if c.k_scale is None else c.k_scale.reshape(1, 1).expand(h, 1) if c.k_scale.numel() == 1 else c.k_scale
+    vs = ones if c.v_scale is None else c.v_scale.reshape(1, 1).expand(h, 1) if c.v_scale.numel() == 1 else c.v_scale
+    args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, c.query_req_id,
+            c.query_abs_pos, torch.tensor([c.scale]), ks.contiguous(), vs.contiguous()]
+    out = torch.full(c.q.shape, float("nan"), dtype=DTYPES[qd], device=dev)
+    cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out])
+    ref = torch.full_like(c.q, float("nan"))
+    R.sparse_attn_prefill(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.query_req_id, c.query_abs_pos, h,
+                          c.scale, ref, c.k_scale, c.v_scale)
+    out = out.cpu()
+    assert not out.isnan().any()
+    err = (out.float() - ref.float()).abs()
+    assert err.max() < 1.7e-2 and err.mean() < 2.5e-4, (float(err.max()), float(err.mean()))
+    assert out[5].eq(0).all()
+
+
 def test_output_is_written_in_place(cuda_kernels):
     """The GPU attend writes into the caller's tensor (iree.abi.output over a DLPack import): the
     same memory, and rows outside the slice it was given stay untouched."""
@@ -126,3 +155,49 @@ def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode):
     s.step(["a", "b", "c", None], [], 4)
     s.step(["a", "c"], [("d", 255), ("b", 3)], 4)
     assert s.k_cache.device.type == "cuda"
+
+
+INSERT_CASES = [(*c, m) for c in testing.GPU_INSERT_CASES for m in (("tensor", "token") if "fp8" in c[0] else ("none",))]
+
+
+@pytest.mark.parametrize("kv, kd, layout, h, smode", INSERT_CASES)
+def test_insert_kv_gpu_is_in_place_and_exact(cuda_kernels, kv, kd, layout, h, smode):
+    """The GPU writer updates the cache's own memory and stores exactly the reference's bytes
+    (torch's fp8 cast: round to nearest even, saturation, subnormals, ties); other bytes stay."""
+    from msa_iree.layout import allocate_kv_cache
+    from msa_iree.runtime import insert_kv
+
+    g = torch.Generator().manual_seed(len(kv) * 7 + h)
+    dtype = DTYPES[kv]
+    blocks = 6
+    kc, vc = allocate_kv_cache(blocks, h, dtype, layout, fill=0)
+    base = torch.randint(0, 256, (blocks * 16 * h * 2048 * dtype.itemsize,), generator=g, dtype=torch.uint8)
+    whole = torch.as_strided(kc.view(torch.uint8), (base.numel(),), (1,))
+    whole.copy_(base)  # random old bytes, so that unwritten bytes are checked too
+    n = 40
+    key = (torch.randn(n, h, 128, generator=g) * 3).to(DTYPES[kd])
+    value = (torch.randn(n, h, 128, generator=g) * 3).to(DTYPES[kd])
+    key[0, 0, :8] = torch.tensor([0.0, 1e-9, -1e-9, 500.0, -900.0, 0.0009765625, 0.001953125, 3.25])  # edges
+    slots = torch.randperm(blocks * 128, generator=g)[:n].int()
+    slots[3] = -1  # padding: skipped
+    ks = vs = None
+    if kv.startswith("fp8"):
+        if smode == "tensor":
+            ks, vs = torch.tensor([0.5]), torch.tensor([0.25])
+        else:
+            ks = 0.05 + torch.rand(h, blocks * 128, generator=g)
+            vs = 0.05 + torch.rand(h, blocks * 128, generator=g)
+    R.insert_kv(key, value, kc, vc, slots, ks, vs)  # in place on the CPU views (one shared buffer)
+    want = whole.clone()
+
+    dev = torch.device("cuda")
+    gk, gv = allocate_kv_cache(blocks, h, dtype, layout, device=dev, fill=0)
+    torch.as_strided(gk.view(torch.uint8), (base.numel(),), (1,)).copy_(base.to(dev))
+    ptr = gk.data_ptr()
+    cuda = lambda t: None if t is None else t.to(dev)
+    insert_kv(cuda_kernels, key.to(dev), value.to(dev), gk, gv, slots.to(dev), cuda(ks), cuda(vs))
+    assert gk.data_ptr() == ptr
+    got = torch.as_strided(gk.view(torch.uint8), (base.numel(),), (1,)).cpu()
+    assert not torch.equal(want, base)  # the reference did write
+    bad = (got != want).nonzero().reshape(-1)
+    assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at {bad[:5].tolist()}: got {got[bad[:5]].tolist()} want {want[bad[:5]].tolist()}"
