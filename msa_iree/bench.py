@@ -139,11 +139,11 @@ class DecodeCase:
         self.kv_bytes = self.visible_tokens * 128 * 2 * self.k_cache.element_size()
 
 
-def _decode_setup(lib, device, batch, context, L, num_heads, kv_name, rotations):
+def _decode_setup(lib, device, batch, context, L, num_heads, kv_name, rotations, matrix="auto"):
     kv_dtype = DTYPES[kv_name]
     c = DecodeCase(batch, context, L, num_heads, kv_dtype, device, rotations, seed=batch * 31 + L)
     scale = 128 ** -0.5
-    attn = SparseAttention(num_heads, 1, 128, scale, kv_dtype, kernels=lib)
+    attn = SparseAttention(num_heads, 1, 128, scale, kv_dtype, kernels=lib, gpu_matrix=matrix)
     builder = MetadataBuilder(max_num_seqs=batch, max_model_len=context, kernels=lib, device=device)
     qsl = torch.arange(0, batch * L + 1, L, dtype=torch.int32, device=device)
     md = builder.build(c.block_table, c.seq_lens, qsl, c.seq_lens - L, decode_query_len=L, num_decodes=batch)
@@ -152,10 +152,10 @@ def _decode_setup(lib, device, batch, context, L, num_heads, kv_name, rotations)
     return c, attn, out, fwd
 
 
-def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rotations=16):
+def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rotations=16, matrix="auto"):
     """Correctness check and the wall-clock numbers of one decode case (no profiler in this pass:
     CUPTI, once attached, slows every later CUDA call of the process)."""
-    c, attn, out, fwd = _decode_setup(lib, device, batch, context, L, num_heads, kv_name, rotations)
+    c, attn, out, fwd = _decode_setup(lib, device, batch, context, L, num_heads, kv_name, rotations, matrix)
     fwd()
     bt, ctx = reference.build_sparse_block_table_decode(c.topk, c.block_table, c.seq_lens, L, 16)
     ref = torch.empty_like(c.q)
@@ -164,6 +164,7 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
     eager()
     err = (out.float() - ref.float()).abs()
     row = {"phase": "decode", "batch": batch, "context": context, "L": L, "q_heads": num_heads, "kv_dtype": kv_name,
+           "kernel": attn.decode_spec.kernel if attn.gpu_decode else "portable", "matrix": matrix,
            "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "ref_max_abs": float(ref.abs().max()),
            "kv_MB": c.kv_bytes / 1e6, "forward_us": wall_us(fwd, iters, device)}
     flush = l2_flusher(device) if device.type == "cuda" else None
@@ -171,7 +172,7 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
     row["x_torch"] = row["torch_us"] / row["forward_us"]  # replaced by the kernel ratio when kernel time is known
     row["GBps"] = c.kv_bytes / row["forward_us"] / 1e3
     if attn.gpu_decode and device.type == "cuda":
-        spec = SparseAttnDecodeGpuSpec(attn.cfg.replace(decode_query_len=L), 16)
+        spec = attn.decode_spec(attn.cfg.replace(decode_query_len=L), 16)
         kp, vp = attn._folded(c.k_cache), attn._folded(c.v_cache)
         ks, vs = attn._scales(c.k_scale, c.v_scale)
         args = [c.q, kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), c.topk, c.block_table, c.seq_lens,
@@ -194,7 +195,7 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
 def add_kernel_time(lib, device, row, rotations=16):
     """Second pass (profiler attached): the device time of one forward's kernels, L2 flushed."""
     c, attn, out, fwd = _decode_setup(lib, device, row["batch"], row["context"], row["L"], row["q_heads"],
-                                      row["kv_dtype"], rotations)
+                                      row["kv_dtype"], rotations, row["matrix"])
     k_us = kernel_us(fwd, device, flush=l2_flusher(device))
     row.update(kernel_us=k_us, GBps=c.kv_bytes / k_us / 1e3, x_torch=row["torch_us"] / k_us,
                overhead_us=row["forward_us"] - k_us, forward_over_kernel=row["forward_us"] / k_us)
@@ -202,12 +203,12 @@ def add_kernel_time(lib, device, row, rotations=16):
     torch.cuda.empty_cache()
 
 
-def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_heads=16):
+def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_heads=16, matrix="auto"):
     """One request computing its last q_len tokens over a context of `context`."""
     kv_dtype = DTYPES[kv_name]
     c = DecodeCase(1, context, q_len, num_heads, kv_dtype, device, 1, seed=5)
     scale = 128 ** -0.5
-    attn = SparseAttention(num_heads, 1, 128, scale, kv_dtype, kernels=lib)
+    attn = SparseAttention(num_heads, 1, 128, scale, kv_dtype, kernels=lib, gpu_matrix=matrix)
     builder = MetadataBuilder(max_num_seqs=1, max_model_len=context, kernels=lib, device=device)
     qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
     md = builder.build(c.block_table, c.seq_lens, qsl, c.seq_lens - q_len, decode_query_len=1, num_decodes=0)
@@ -226,6 +227,7 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
     torch_us = events_us(eager, iters, device, flush)
     k_us = forward_us  # one 4096-token call is ~100 ms: its launch overhead is noise
     return {"phase": "prefill", "batch": 1, "context": context, "L": q_len, "q_heads": num_heads, "kv_dtype": kv_name,
+            "kernel": attn.prefill_spec.kernel if attn.gpu_decode else "portable", "matrix": matrix,
             "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "ref_max_abs": float(ref.abs().max()),
             "kv_MB": c.kv_bytes / 1e6,
             "forward_us": forward_us, "torch_us": torch_us, "kernel_us": k_us, "forward_over_kernel": forward_us / k_us,
@@ -234,20 +236,22 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
 
 def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_lens=(1, 4), prefill=True):
     """The compiled kernels a bench run calls (stride 16: the interleaved cache the cases use)."""
-    from .kernels import RebaseBlockTableSpec, SparseAttnPrefillGpuSpec
+    from .kernels import RebaseBlockTableSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillGpuSpec, SparseAttnPrefillMmaSpec
 
     specs = [RebaseBlockTableSpec(MsaConfig())]
     for kv in kv_dtypes:
         for hq in heads:
             cfg = MsaConfig(num_heads=hq, kv_dtype=kv)
             specs += [SparseAttnDecodeGpuSpec(cfg.replace(decode_query_len=L), 16) for L in decode_query_lens]
+            if SparseAttnDecodeMmaSpec.supports(cfg):
+                specs += [SparseAttnDecodeMmaSpec(cfg.replace(decode_query_len=L), 16) for L in decode_query_lens]
         if prefill:
-            specs.append(SparseAttnPrefillGpuSpec(MsaConfig(kv_dtype=kv), 16))
+            specs += [SparseAttnPrefillGpuSpec(MsaConfig(kv_dtype=kv), 16), SparseAttnPrefillMmaSpec(MsaConfig(kv_dtype=kv), 16)]
     return specs
 
 
 def format_table(rows, copy_GBps):
-    head = (f"{'phase':>7} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'L':>4} {'kernel us':>9} {'GB/s':>6} {'%copy':>5} "
+    head = (f"{'phase':>7} {'matrix':>6} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'L':>4} {'kernel us':>9} {'GB/s':>6} {'%copy':>5} "
             f"{'chain us':>8} {'call us':>8} {'fwd us':>8} {'fwd/k':>5} {'torch us':>9} {'x torch':>7} {'max err':>8}")
     lines = [f"device-to-device copy: {copy_GBps:.0f} GB/s", head]
     for r in rows:
@@ -255,7 +259,7 @@ def format_table(rows, copy_GBps):
         call = f"{r['call_us']:8.1f}" if r.get("call_us") else f"{'-':>8}"
         chain = f"{r['chained_us']:8.1f}" if r.get("chained_us") else f"{'-':>8}"
         ratio = f"{r['forward_over_kernel']:5.2f}" if r.get("forward_over_kernel") else f"{'-':>5}"
-        lines.append(f"{r['phase']:>7} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} {r['batch']:>4} {r['context']:>6} "
+        lines.append(f"{r['phase']:>7} {r.get('matrix', 'auto'):>6} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} {r['batch']:>4} {r['context']:>6} "
                      f"{r['L']:>4} {k} {r['GBps']:6.0f} {100 * r['GBps'] / copy_GBps:5.1f} {chain} {call} "
                      f"{r['forward_us']:8.1f} {ratio} {r['torch_us']:9.1f} {r['x_torch']:7.2f} {r['max_abs_err']:8.1e}")
     return "\n".join(lines)
@@ -294,6 +298,8 @@ def main(argv=None):
     p.add_argument("--heads", default="16,8", help="query heads per KV head: 16 = TP4, 8 = TP8")
     p.add_argument("--kv-dtype", default="bf16,fp8_e4m3fn")
     p.add_argument("--prefill", action="store_true", help="also prefill q=4096 over 32K")
+    p.add_argument("--matrix", default="auto", help="GPU attend variants, comma list: auto (mma on cuda where "
+                   "possible), fma (the variant gfx942 builds), mma")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--plot", help="write a PNG of GB/s vs batch here (needs matplotlib)")
@@ -321,16 +327,19 @@ def main(argv=None):
                            else "cpu", "rows": rows}, f, indent=1)
 
     ints = lambda s: [int(x) for x in s.split(",") if x]
-    for kv in a.kv_dtype.split(","):
-        for hq in ints(a.heads):
-            for L in ints(a.L):
-                for ctx in ints(a.context):
-                    for b in ints(a.batch):
-                        rows.append(bench_decode(lib, device, b, ctx, L, hq, kv, a.iters))
-                        report(rows[-1])
-        if a.prefill:
-            rows.append(bench_prefill(lib, device, kv, max(3, a.iters // 10)))
-            report(rows[-1])
+    for matrix in a.matrix.split(","):
+        for kv in a.kv_dtype.split(","):
+            for hq in ints(a.heads):
+                if matrix == "mma" and hq != 16:
+                    continue
+                for L in ints(a.L):
+                    for ctx in ints(a.context):
+                        for b in ints(a.batch):
+                            rows.append(bench_decode(lib, device, b, ctx, L, hq, kv, a.iters, matrix=matrix))
+                            report(rows[-1])
+            if a.prefill:
+                rows.append(bench_prefill(lib, device, kv, max(3, a.iters // 10), matrix=matrix))
+                report(rows[-1])
     if device.type == "cuda":  # kernel times last: the profiler would slow the wall-clock pass
         for row in rows:
             if row["phase"] == "decode" and row.get("call_us") is not None:

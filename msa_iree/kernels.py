@@ -557,6 +557,10 @@ class SparseAttnDecodeGpuSpec(KernelSpec):
     template = "sparse_attn_decode_gpu.mlir.j2"
     output_storage = True  # `main` takes the output tensor last and writes into it (iree.abi.output)
     prefill = False
+    mma = False
+    # mma variant: request a block's V fragments before QK? Measured on an H200 (tools/PERF.md):
+    # slower (39.6 vs 36.6 us, bf16 B=64), the registers cost more than the latency hidden
+    prefetch_v = False
     targets = ("cuda", "gfx942")
     GROUP_SIZES = (8, 16)
 
@@ -575,7 +579,8 @@ class SparseAttnDecodeGpuSpec(KernelSpec):
         c = self.cfg
         return render_template(self.template, G=c.group_size, H=c.num_kv_heads, L=c.decode_query_len,
                                QT=_MLIR_ELEMENT[c.query_dtype], KT=_MLIR_ELEMENT[c.kv_dtype],
-                               FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill)
+                               FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill,
+                               MMA=self.mma, PREFETCH_V=self.prefetch_v)
 
     def describe(self) -> dict:
         return {**super().describe(), "template": self.template, "targets": list(self.targets)}
@@ -586,6 +591,39 @@ class SparseAttnPrefillGpuSpec(SparseAttnDecodeGpuSpec):
     position come from query_req_id / query_abs_pos (operands in SparseAttnPrefillSpec's order)."""
 
     kernel = "sparse_attn_prefill_gpu"
+    prefill = True
+
+    @property
+    def variant(self):
+        return KernelSpec.variant.fget(self)
+
+
+class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
+    """The GPU attend with both products on NVIDIA tensor cores (mma.sync m16n8k16 through
+    nvgpu.mma.sync; the 16 heads of a KV head are M). CUDA only; 16 heads per KV head; the cache
+    holds the query's dtype or fp8 (decoded exactly into it). The gfx942 build keeps the FMA
+    variant: an MFMA twin of these fragments is not written yet."""
+
+    kernel = "sparse_attn_decode_mma"
+    targets = ("cuda",)
+    GROUP_SIZES = (16,)
+    mma = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.cfg.is_fp8 and self.cfg.kv_dtype != self.cfg.query_dtype:
+            raise ValueError(f"kv_dtype: expected fp8 or the query dtype {self.cfg.query_dtype} for the mma attend "
+                             f"(both operands share one type), got {self.cfg.kv_dtype}")
+
+    @classmethod
+    def supports(cls, cfg) -> bool:
+        return cfg.group_size in cls.GROUP_SIZES and cfg.topk == 16 and (cfg.is_fp8 or cfg.kv_dtype == cfg.query_dtype)
+
+
+class SparseAttnPrefillMmaSpec(SparseAttnDecodeMmaSpec):
+    """The mma attend for (chunked) prefill rows (operands as SparseAttnPrefillSpec's)."""
+
+    kernel = "sparse_attn_prefill_mma"
     prefill = True
 
     @property
@@ -622,7 +660,8 @@ class InsertKvGpuSpec(KernelSpec):
         return {**super().describe(), "template": self.template, "targets": list(self.targets)}
 
 
-GPU_SPECS = (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec, InsertKvGpuSpec)
+GPU_SPECS = (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec,
+             InsertKvGpuSpec)
 ALL_KERNELS = {cls.kernel: cls for cls in (*REBASE_SPECS, *TABLE_SPECS, *ATTEND_SPECS, InsertKvSpec, *GPU_SPECS)}
 
 
@@ -632,6 +671,7 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
     also the hand-written decode attend, where the head grouping allows it."""
     gpu = target in SparseAttnDecodeGpuSpec.targets and cfg.group_size in SparseAttnDecodeGpuSpec.GROUP_SIZES \
         and cfg.topk == 16
+    mma = target in SparseAttnDecodeMmaSpec.targets and SparseAttnDecodeMmaSpec.supports(cfg)
     specs = [RebaseBlockTableSpec(cfg), RebaseSlotsSpec(cfg)]
     for stride in strides:
         for L in decode_query_lens:
@@ -639,8 +679,12 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
                       SparseAttnDecodeSpec(cfg.replace(decode_query_len=L), stride)]
             if gpu:
                 specs.append(SparseAttnDecodeGpuSpec(cfg.replace(decode_query_len=L), stride))
+            if mma:
+                specs.append(SparseAttnDecodeMmaSpec(cfg.replace(decode_query_len=L), stride))
         if gpu:
             specs.append(SparseAttnPrefillGpuSpec(cfg, stride))
+        if mma:
+            specs.append(SparseAttnPrefillMmaSpec(cfg, stride))
         if target in InsertKvGpuSpec.targets:
             specs.append(InsertKvGpuSpec(cfg, stride))
         specs += [cls(cfg, stride) for cls in (BuildPrefillTableSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec,

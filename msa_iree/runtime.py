@@ -23,7 +23,8 @@ import torch.utils.dlpack
 from . import checks
 from .compile import DRIVERS, check_target, runtime_version
 from .config import DTYPES, MsaConfig, dtype_name
-from .kernels import (InsertKvGpuSpec, InsertKvSpec, KernelSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec, SparseAttnDecodeSpec, SparseAttnPrefillGpuSpec,
+from .kernels import (InsertKvGpuSpec, InsertKvSpec, KernelSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec, SparseAttnDecodeSpec,
+                      SparseAttnPrefillGpuSpec, SparseAttnPrefillMmaSpec,
                       SparseAttnPrefillSpec, SparsePagedAttendSpec, storage_dtype)
 from .layout import BLOCK_SIZE, PAGES_PER_BLOCK, block_page_stride, sides_are_packed
 from .reference import query_token_positions
@@ -320,7 +321,7 @@ class SparseAttention:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, kv_cache_dtype,
                  target: str = "host", *, build_dir=None, query_dtype=torch.bfloat16, kernels=None,
-                 validate_emitted_tables: bool = True):
+                 validate_emitted_tables: bool = True, gpu_matrix: str = "auto"):
         kv_name = kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype)
         self.cfg = MsaConfig(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size, kv_dtype=kv_name,
                              query_dtype=dtype_name(query_dtype))
@@ -332,9 +333,20 @@ class SparseAttention:
         self._persistent_key = None
         self._specs = {}  # (kernel class, decode L, stride) -> spec: built once, not per call
         self.validate_emitted_tables = validate_emitted_tables
-        # the hand-written GPU attend (decode and prefill) where the target and head grouping allow it
+        # the hand-written GPU attend (decode and prefill) where the target and head grouping allow
+        # it: on tensor cores (mma) where available ("auto"), else with FMAs (what gfx942 builds)
+        if gpu_matrix not in ("auto", "fma", "mma"):
+            raise ValueError(f"gpu_matrix: expected 'auto', 'fma' or 'mma', got {gpu_matrix!r}")
         self.gpu_decode = (self.kernels.target in SparseAttnDecodeGpuSpec.targets
                            and self.cfg.group_size in SparseAttnDecodeGpuSpec.GROUP_SIZES and self.cfg.topk == 16)
+        mma = self.kernels.target in SparseAttnDecodeMmaSpec.targets and SparseAttnDecodeMmaSpec.supports(self.cfg)
+        if gpu_matrix == "mma" and not mma:
+            raise ValueError(f"gpu_matrix='mma': expected a cuda target, 16 heads per KV head and an fp8 or "
+                             f"{self.cfg.query_dtype} cache, got target {self.kernels.target!r}, {self.cfg.group_size} "
+                             f"heads per KV head, {self.cfg.kv_dtype}")
+        self.use_mma = mma and gpu_matrix != "fma"
+        self.decode_spec = SparseAttnDecodeMmaSpec if self.use_mma else SparseAttnDecodeGpuSpec
+        self.prefill_spec = SparseAttnPrefillMmaSpec if self.use_mma else SparseAttnPrefillGpuSpec
 
     # the folded page views the modules read: [pages * H, ...] (id = page * H + head)
     @staticmethod
@@ -423,14 +435,14 @@ class SparseAttention:
                 args = (q, kp, vp, sparse_block_table[lo * h:hi * h].reshape(hi - lo, h, -1),
                         sparse_context_lens[lo * h:hi * h].reshape(hi - lo, h), *common)
             elif phase is metadata.decode and self.gpu_decode:
-                spec = self._spec(SparseAttnDecodeGpuSpec, stride, phase.decode_query_len)
+                spec = self._spec(self.decode_spec, stride, phase.decode_query_len)
                 kpv, vpv, scale_v, ksv, vsv = self._persistent(k_cache, v_cache, ks, vs)
                 args = (q, kpv, vpv, topk[:, lo:hi], phase.block_table, phase.seq_lens, scale_v, ksv, vsv)
             elif phase is metadata.decode:
                 spec = self._spec(SparseAttnDecodeSpec, stride, phase.decode_query_len)
                 args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.seq_lens, *common)
             elif self.gpu_decode:
-                spec = self._spec(SparseAttnPrefillGpuSpec, stride)
+                spec = self._spec(self.prefill_spec, stride)
                 kpv, vpv, scale_v, ksv, vsv = self._persistent(k_cache, v_cache, ks, vs)
                 args = (q, kpv, vpv, topk[:, lo:hi], phase.block_table, phase.query_req_id, phase.query_abs_pos,
                         scale_v, ksv, vsv)

@@ -162,17 +162,21 @@ GPU_INSERT_CASES = (
 def gpu_test_specs():
     """Every compiled kernel tests/test_gpu.py calls, for `cuda`."""
     from .config import MsaConfig
-    from .kernels import (InsertKvGpuSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec)
+    from .kernels import (InsertKvGpuSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec,
+                          SparseAttnPrefillGpuSpec, SparseAttnPrefillMmaSpec)
 
     specs = [RebaseBlockTableSpec(MsaConfig())]
     for hq, h, kv, qd, L, stride, _ in GPU_DECODE_CASES:
         cfg = MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd, decode_query_len=L)
         specs += [SparseAttnDecodeGpuSpec(cfg, stride), SparseAttnPrefillGpuSpec(cfg.replace(decode_query_len=1), stride)]
+        if SparseAttnDecodeMmaSpec.supports(cfg):
+            specs += [SparseAttnDecodeMmaSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg.replace(decode_query_len=1), stride)]
     for kv, qd, layout, h, _ in GPU_SERVING_CASES:
         stride = {"interleaved": 16, "planes": 8}[layout]
         cfg = MsaConfig(num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
-        specs += [SparseAttnPrefillGpuSpec(cfg, stride), InsertKvGpuSpec(cfg, stride)]
-        specs += [SparseAttnDecodeGpuSpec(cfg.replace(decode_query_len=L), stride) for L in (1, 4)]
+        specs += [SparseAttnPrefillGpuSpec(cfg, stride), InsertKvGpuSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg, stride)]
+        specs += [cls(cfg.replace(decode_query_len=L), stride) for L in (1, 4)
+                  for cls in (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec)]
     for kv, qd, layout, h in GPU_INSERT_CASES:
         cfg = MsaConfig(num_heads=8 * h, num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
         specs.append(InsertKvGpuSpec(cfg, {"interleaved": 16, "planes": 8}[layout]))

@@ -15,7 +15,7 @@ class Server:
     """Requests over a shared paged cache; each step inserts K/V, draws top-k, attends, checks."""
 
     def __init__(self, kernels, kv_dtype, q_dtype, layout, num_kv_heads, scale_mode, seed, device="cpu",
-                 num_heads=16):
+                 num_heads=16, gpu_matrix="auto"):
         self.g = torch.Generator().manual_seed(seed)
         self.dev = torch.device(device)
         self.h, self.hq, self.kv_dtype, self.q_dtype = num_kv_heads, num_heads, kv_dtype, q_dtype
@@ -33,7 +33,7 @@ class Server:
                 self.k_scale = (0.03 + 0.05 * torch.rand(num_kv_heads, cap, generator=self.g)).to(self.dev)
                 self.v_scale = (0.03 + 0.05 * torch.rand(num_kv_heads, cap, generator=self.g)).to(self.dev)
         self.attn = SparseAttention(self.hq, num_kv_heads, 128, 128 ** -0.5, kv_dtype, kernels=kernels,
-                                    query_dtype=q_dtype)
+                                    query_dtype=q_dtype, gpu_matrix=gpu_matrix)
         self.kernels = kernels
         self.builder = MetadataBuilder(max_num_seqs=8, max_model_len=4096, num_cache_blocks=self.num_blocks,
                                        kernels=kernels, device=self.dev)

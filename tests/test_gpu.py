@@ -50,9 +50,25 @@ def _flat_pages(cache):
     return cache.reshape(cache.shape[0] * cache.shape[1], -1).view(storage_dtype(cache.dtype))
 
 
-@pytest.mark.parametrize("hq, h, kv, qd, L, stride, smode", testing.GPU_DECODE_CASES,
-                         ids=[f"h{c[0]}kv{c[1]}-{c[2]}-L{c[4]}-s{c[5]}-{c[6]}" for c in testing.GPU_DECODE_CASES])
-def test_decode_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, stride, smode):
+def _variants(prefill):
+    """(case, spec class) for every GPU decode case: the FMA kernel (what gfx942 builds, proven
+    here) and, where it applies, the tensor-core (mma) kernel CUDA serves with."""
+    from msa_iree.kernels import (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillGpuSpec,
+                                  SparseAttnPrefillMmaSpec)
+
+    fma, mma = (SparseAttnPrefillGpuSpec, SparseAttnPrefillMmaSpec) if prefill else \
+        (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec)
+    out = []
+    for c in testing.GPU_DECODE_CASES:
+        cfg = MsaConfig(num_heads=c[0], num_kv_heads=c[1], kv_dtype=c[2], query_dtype=c[3])
+        out.append(pytest.param(*c, fma, id=f"fma-h{c[0]}kv{c[1]}-{c[2]}-L{c[4]}-s{c[5]}-{c[6]}"))
+        if mma.supports(cfg):
+            out.append(pytest.param(*c, mma, id=f"mma-h{c[0]}kv{c[1]}-{c[2]}-L{c[4]}-s{c[5]}-{c[6]}"))
+    return out
+
+
+@pytest.mark.parametrize("hq, h, kv, qd, L, stride, smode, spec_cls", _variants(prefill=False))
+def test_decode_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, stride, smode, spec_cls):
     # padded (0), a lone token, block edges (127/128/129), 16 full blocks and a long context
     seq = [0, 1, 127, 128, 129, 300, 2048, 2049, 5000, 9000]
     seq = [s if s == 0 else max(s, L) for s in seq]
@@ -63,8 +79,7 @@ def test_decode_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, str
     t = c.topk.shape[1] - 1
     own = int(c.query_abs_pos[t]) // 128
     c.topk[0, t, :4] = torch.tensor([own, own, 3, 3], dtype=torch.int32)
-    spec = SparseAttnDecodeGpuSpec(MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd,
-                                             decode_query_len=L), stride)
+    spec = spec_cls(MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd, decode_query_len=L), stride)
     dev = torch.device("cuda")
     ones = torch.ones(h, 1)
     ks = ones if c.k_scale is None else c.k_scale.reshape(1, 1).expand(h, 1) if c.k_scale.numel() == 1 else c.k_scale
@@ -86,17 +101,14 @@ def test_decode_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, str
     assert out[empty].eq(0).all(), "rows of padded requests must be exactly zero"
 
 
-@pytest.mark.parametrize("hq, h, kv, qd, L, stride, smode", testing.GPU_DECODE_CASES,
-                         ids=[f"h{c[0]}kv{c[1]}-{c[2]}-s{c[5]}-{c[6]}" for c in testing.GPU_DECODE_CASES])
-def test_prefill_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, stride, smode):
-    from msa_iree.kernels import SparseAttnPrefillGpuSpec
-
+@pytest.mark.parametrize("hq, h, kv, qd, L, stride, smode, spec_cls", _variants(prefill=True))
+def test_prefill_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, stride, smode, spec_cls):
     # chunks with and without a prefix, crossing block edges, one token, a long prompt
     c = testing.prefill_case([130, 1, 127, 300, 64], [0, 128, 1, 2000, 4000], num_heads=hq, num_kv_heads=h,
                              kv_dtype=DTYPES[kv], q_dtype=DTYPES[qd], layout="interleaved" if stride == 16 else "planes",
                              seed=hq + stride, scale_mode=smode)
     c.query_abs_pos[5] = -1  # a padded token: must come out exactly zero
-    spec = SparseAttnPrefillGpuSpec(MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd), stride)
+    spec = spec_cls(MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd), stride)
     dev = torch.device("cuda")
     ones = torch.ones(h, 1)
     ks = ones if c.k_scale is None else c.k_scale.reshape(1, 1).expand(h, 1) if c.k_scale.numel() == 1 else c.k_scale
@@ -145,11 +157,12 @@ def test_results_come_back_on_the_gpu(cuda_kernels):
 
 
 @pytest.mark.parametrize("kv, qd, layout, h, smode", testing.GPU_SERVING_CASES)
-def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode):
+@pytest.mark.parametrize("matrix", ["fma", "mma"])
+def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode, matrix):
     from serving import Server
 
-    s = Server(cuda_kernels, DTYPES[kv], DTYPES[qd], layout, h, smode, seed=11, device="cuda")
-    assert s.attn.gpu_decode
+    s = Server(cuda_kernels, DTYPES[kv], DTYPES[qd], layout, h, smode, seed=11, device="cuda", gpu_matrix=matrix)
+    assert s.attn.gpu_decode and s.attn.use_mma == (matrix == "mma")
     s.step([], [("a", 200), ("b", 130)], 1)
     s.step(["b", None], [("a", 100), ("c", 129)], 1)
     s.step(["a", "b", "c", None], [], 4)
