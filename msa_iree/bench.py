@@ -265,26 +265,42 @@ def format_table(rows, copy_GBps):
     return "\n".join(lines)
 
 
-def plot(rows, path):
+# vLLM's Triton MSA attend on an H200 (ANCHORS.md): (kv, q heads, batch) -> GB/s, decode L=1, ctx 4K-32K
+TRITON_ANCHOR_GBPS = {("bf16", 16, 8): 616, ("bf16", 16, 64): 1968, ("bf16", 8, 64): 2059,
+                      ("fp8_e4m3fn", 16, 8): 289, ("fp8_e4m3fn", 16, 64): 922, ("fp8_e4m3fn", 8, 64): 952}
+
+
+def plot(rows, path, copy_GBps=None):
+    """GB/s vs decode batch (L=1, the smallest context run), one line per dtype, heads, variant."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kv in sorted({r["kv_dtype"] for r in rows}):
-        for hq in sorted({r["q_heads"] for r in rows}):
-            pts = sorted((r["batch"], r["GBps"]) for r in rows if r["phase"] == "decode" and r["kv_dtype"] == kv
-                         and r["q_heads"] == hq and r["L"] == 1 and r["context"] == min(x["context"] for x in rows))
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{kv}, {hq} q heads, L=1")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("decode batch")
-    ax.set_ylabel("GB/s of selected K/V")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    ctx = min(r["context"] for r in rows if r["phase"] == "decode")
+    for ax, kv in zip(axes, ("bf16", "fp8_e4m3fn")):
+        for hq in (16, 8):
+            for matrix in sorted({r.get("matrix", "auto") for r in rows}):
+                pts = sorted((r["batch"], r["GBps"]) for r in rows if r["phase"] == "decode" and r["kv_dtype"] == kv
+                             and r["q_heads"] == hq and r["L"] == 1 and r["context"] == ctx
+                             and r.get("matrix", "auto") == matrix)
+                if pts:
+                    kernel = next(r.get("kernel", "") for r in rows if r["q_heads"] == hq and r.get("matrix", "auto") == matrix)
+                    ax.plot(*zip(*pts), marker="o", label=f"{hq} q heads, {kernel.replace('sparse_attn_decode_', '')}")
+            anchor = [(b, g) for (k, h, b), g in TRITON_ANCHOR_GBPS.items() if k == kv and h == hq]
+            if anchor:
+                ax.scatter(*zip(*anchor), marker="x", s=80, label=f"vLLM Triton, {hq} q heads (ANCHORS)")
+        if copy_GBps:
+            ax.axhline(copy_GBps, color="grey", ls="--", lw=1, label="device copy")
+        ax.set_title(f"{kv} KV, decode L=1, ctx {ctx}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("decode batch")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("GB/s of selected K/V (kernel time)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None):
@@ -310,7 +326,7 @@ def main(argv=None):
             run = json.load(f)
         print(format_table(run["rows"], run["copy_GBps"]))
         if a.plot:
-            plot(run["rows"], a.plot)
+            plot(run["rows"], a.plot, run.get("copy_GBps"))
         return 0
     if not a.build_dir:
         p.error("--build-dir is required for a run")
@@ -347,5 +363,5 @@ def main(argv=None):
                 report(row)
     print(format_table(rows, copy))
     if a.plot:
-        plot(rows, a.plot)
+        plot(rows, a.plot, copy)
     return 0
