@@ -27,7 +27,7 @@ import torch
 
 from . import reference
 from .config import DTYPES, MsaConfig
-from .kernels import SparseAttnDecodeGpuSpec, storage_dtype
+from .kernels import SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec, storage_dtype
 from .layout import BLOCK_SIZE, allocate_kv_cache
 from .runtime import KernelLibrary, MetadataBuilder, SparseAttention, module_scale
 
@@ -346,7 +346,7 @@ def main(argv=None):
     for matrix in a.matrix.split(","):
         for kv in a.kv_dtype.split(","):
             for hq in ints(a.heads):
-                if matrix == "mma" and hq != 16:
+                if matrix == "mma" and not SparseAttnDecodeMmaSpec.supports(MsaConfig(num_heads=hq, kv_dtype=kv)):
                     continue
                 for L in ints(a.L):
                     for ctx in ints(a.context):

@@ -600,13 +600,13 @@ class SparseAttnPrefillGpuSpec(SparseAttnDecodeGpuSpec):
 
 class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
     """The GPU attend with both products on NVIDIA tensor cores (mma.sync m16n8k16 through
-    nvgpu.mma.sync; the 16 heads of a KV head are M). CUDA only; 16 heads per KV head; the cache
+    nvgpu.mma.sync; the heads of a KV head are M). CUDA only; 8 or 16 heads per KV head; the cache
     holds the query's dtype or fp8 (decoded exactly into it). The gfx942 build keeps the FMA
     variant: an MFMA twin of these fragments is not written yet."""
 
     kernel = "sparse_attn_decode_mma"
     targets = ("cuda",)
-    GROUP_SIZES = (16,)
+    GROUP_SIZES = (8, 16)  # 8: rows 8..15 of M are zero padding
     mma = True
 
     def __post_init__(self):
