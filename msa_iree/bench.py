@@ -265,6 +265,7 @@ def format_table(rows, copy_GBps):
     return "\n".join(lines)
 
 
+VARIANT_LABEL = {"sparse_attn_decode_mma": "mma (tensor cores)", "sparse_attn_decode_gpu": "fma (gfx942's variant)"}
 # vLLM's Triton MSA attend on an H200 (ANCHORS.md): (kv, q heads, batch) -> GB/s, decode L=1, ctx 4K-32K
 TRITON_ANCHOR_GBPS = {("bf16", 16, 8): 616, ("bf16", 16, 64): 1968, ("bf16", 8, 64): 2059,
                       ("fp8_e4m3fn", 16, 8): 289, ("fp8_e4m3fn", 16, 64): 922, ("fp8_e4m3fn", 8, 64): 952}
@@ -287,7 +288,7 @@ def plot(rows, path, copy_GBps=None):
                              and r.get("matrix", "auto") == matrix)
                 if pts:
                     kernel = next(r.get("kernel", "") for r in rows if r["q_heads"] == hq and r.get("matrix", "auto") == matrix)
-                    ax.plot(*zip(*pts), marker="o", label=f"{hq} q heads, {kernel.replace('sparse_attn_decode_', '')}")
+                    ax.plot(*zip(*pts), marker="o", label=f"{hq} q heads, {VARIANT_LABEL.get(kernel, kernel)}")
             anchor = [(b, g) for (k, h, b), g in TRITON_ANCHOR_GBPS.items() if k == kv and h == hq]
             if anchor:
                 ax.scatter(*zip(*anchor), marker="x", s=80, label=f"vLLM Triton, {hq} q heads (ANCHORS)")
