@@ -27,9 +27,9 @@ import torch
 
 from . import reference
 from .config import DTYPES, MsaConfig
-from .kernels import SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec, storage_dtype
+from .kernels import SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec
 from .layout import BLOCK_SIZE, allocate_kv_cache
-from .runtime import KernelLibrary, MetadataBuilder, SparseAttention, module_scale
+from .runtime import KernelLibrary, MetadataBuilder, SparseAttention
 
 TOPK = 16
 POOL_BYTES = 256 << 20  # cache pool for the L2 rotation: ~5x the H200's 50 MiB L2
@@ -186,9 +186,6 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
         t1 = wall_us(lambda: chain(*iree_args, n1), 3, device)
         t2 = wall_us(lambda: chain(*iree_args, n2), 3, device)
         row["chained_us"] = (t2 - t1) / (n2 - n1)
-    del c
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
@@ -199,8 +196,6 @@ def add_kernel_time(lib, device, row, rotations=16):
     k_us = kernel_us(fwd, device, flush=l2_flusher(device))
     row.update(kernel_us=k_us, GBps=c.kv_bytes / k_us / 1e3, x_torch=row["torch_us"] / k_us,
                overhead_us=row["forward_us"] - k_us, forward_over_kernel=row["forward_us"] / k_us)
-    del c
-    torch.cuda.empty_cache()
 
 
 def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_heads=16, matrix="auto"):
