@@ -50,7 +50,10 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def from_iree(arr, dtype: torch.dtype) -> torch.Tensor:
-    host = np.ascontiguousarray(arr.to_host() if hasattr(arr, "to_host") else arr)
+    """A host module result as a torch tensor that owns its memory: the numpy view IREE maps does
+    not keep the result buffer alive once the call's DeviceArray is gone (use-after-free, seen as
+    a segfault in the host insert's copy back), so it is copied out."""
+    host = np.array(arr.to_host() if hasattr(arr, "to_host") else arr, copy=True, order="C")
     if dtype == torch.bfloat16:
         return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
     if dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
