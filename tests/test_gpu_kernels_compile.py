@@ -42,13 +42,18 @@ def test_compiles_for_cuda(tmp_path, spec):
 
 
 def test_gfx942_isa(tmp_path):
-    """gfx942 (compiled, never run here): decode attend = 2 dispatches, no scratch, 16-byte K/V
-    loads, the insert = 1 dispatch without scratch."""
-    C.build(None, ["gfx942"], tmp_path, specs=DECODE[:1] + INSERT, log=lambda m: None)
+    """gfx942 (compiled, never run here): decode attend = 2 dispatches, no scratch; bf16 K/V read
+    with 16-byte loads (16 per block: 8 K + 8 V pages, plus the q loads); the insert = 1 dispatch
+    without scratch."""
+    bf16 = K.SparseAttnDecodeGpuSpec(MsaConfig(kv_dtype="bf16"), 16)
+    C.build(None, ["gfx942"], tmp_path, specs=[DECODE[0], bf16] + INSERT, log=lambda m: None)
     report = {r["kernel"]: r for r in kernel_report(tmp_path)}
-    attend = report[DECODE[0].name]
-    assert attend["dispatches"] == 2
-    split = next(f for f in attend["functions"] if f["function"] == "split")
-    assert split["scratch_bytes"] == 0 and split["global_load_x4"] >= 16
+    for spec in (DECODE[0], bf16):
+        attend = report[spec.name]
+        assert attend["dispatches"] == 2
+        split = next(f for f in attend["functions"] if f["function"] == "split")
+        assert split["scratch_bytes"] == 0
+    bf16_split = next(f for f in report[bf16.name]["functions"] if f["function"] == "split")
+    assert bf16_split["global_load_x4"] >= 16 + 16  # 16 q loads, 16 K/V page loads
     insert = report[INSERT[0].name]
     assert insert["dispatches"] == 1 and insert["functions"][0]["scratch_bytes"] == 0
