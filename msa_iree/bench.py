@@ -103,12 +103,12 @@ class DecodeCase:
     """A decode batch on `device`: every request has `context` tokens, the last L of them new;
     each row selects its own block and 15 older distinct blocks."""
 
-    def __init__(self, batch, context, L, num_heads, kv_dtype, device, rotations, seed=0):
+    def __init__(self, batch, context, L, num_heads, kv_dtype, device, rotations, seed=0, pool_bytes=POOL_BYTES):
         g = torch.Generator(device=device).manual_seed(seed)
         self.L, self.batch, self.context = L, batch, context
         blocks_per_req = -(-context // BLOCK_SIZE)
-        block_bytes = 2 * BLOCK_SIZE * 128 * torch.empty((), dtype=kv_dtype).element_size()
-        pool = max(batch * blocks_per_req, POOL_BYTES // block_bytes)
+        block_bytes = 2 * BLOCK_SIZE * 128 * kv_dtype.itemsize
+        pool = max(batch * blocks_per_req, pool_bytes // block_bytes)
         self.k_cache, self.v_cache = allocate_kv_cache(pool, 1, kv_dtype, device=device)
         raw = self.k_cache.view(-1)[: pool * 16 * 2048]  # the whole buffer (interleaved)
         if kv_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
@@ -133,9 +133,12 @@ class DecodeCase:
         older = older.masked_fill(torch.arange(older.shape[1], device=device)[None, :] >= own[:, None], 2.0)
         picks = older.argsort(dim=1)[:, : TOPK - 1]
         picks = torch.where(torch.gather(older, 1, picks) < 2.0, picks, -1)
+        if picks.shape[1] < TOPK - 1:  # fewer than 16 blocks of context: -1 padding
+            picks = torch.nn.functional.pad(picks, (0, TOPK - 1 - picks.shape[1]), value=-1)
         self.topk = torch.cat([own[:, None], picks], 1).int()[None]           # [1, T, 16]
         self.q = torch.randn(tokens, num_heads, 128, generator=g, device=device).to(torch.bfloat16)
-        self.visible_tokens = int(torch.minimum((pos + 1), torch.tensor(TOPK * BLOCK_SIZE, device=device)).sum())
+        # the older blocks are whole, the own block holds the row's first pos % 128 + 1 tokens
+        self.visible_tokens = int(((picks >= 0).sum(1) * BLOCK_SIZE + pos % BLOCK_SIZE + 1).sum())
         self.kv_bytes = self.visible_tokens * 128 * 2 * self.k_cache.element_size()
 
 

@@ -1,0 +1,65 @@
+"""The benchmark harness on the CPU: its generated cases are what the protocol says (every row
+sees 16 blocks with its own block among them, rotations map into the pool, fp8 bytes are finite),
+a host run checks the output against the reference, and a recorded run prints back."""
+import json
+import pathlib
+
+import torch
+
+from msa_iree import bench
+from msa_iree.layout import BLOCK_SIZE
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_decode_case_follows_the_protocol():
+    c = bench.DecodeCase(batch=3, context=4100, L=2, num_heads=16, kv_dtype=torch.bfloat16, device=torch.device("cpu"),
+                         rotations=3, seed=1, pool_bytes=1 << 20)
+    pos = (c.seq_lens.long().repeat_interleave(2) - 2 + torch.arange(2).repeat(3))
+    own = pos // BLOCK_SIZE
+    topk = c.topk[0].long()
+    assert topk.shape == (6, 16)
+    assert torch.equal(topk[:, 0], own)                       # the query's own block is always there
+    assert ((topk >= 0) & (topk <= own[:, None])).all()        # 16 valid, causal blocks ...
+    assert all(len(set(row.tolist())) == 16 for row in topk)   # ... all distinct: 2048 visible tokens
+    assert c.visible_tokens == 3 * (2 * 15 * BLOCK_SIZE + (4098 % 128 + 1) + (4099 % 128 + 1))  # 15 whole + own
+    assert c.kv_bytes == c.visible_tokens * 128 * 2 * 2
+    pool = c.k_cache.shape[0] // 16
+    for table in c.bt_rot:                                      # each rotation: an injective map into the pool
+        ids = table.reshape(-1)
+        assert ids.unique().numel() == ids.numel() and int(ids.min()) >= 0 and int(ids.max()) < pool
+    assert not torch.equal(c.bt_rot[0], c.bt_rot[1])
+
+
+def test_short_context_rows_are_padded():
+    c = bench.DecodeCase(batch=2, context=300, L=1, num_heads=16, kv_dtype=torch.bfloat16, device=torch.device("cpu"),
+                         rotations=1, pool_bytes=1 << 20)
+    topk = c.topk[0]
+    assert topk.shape == (2, 16)
+    assert (topk >= 0).sum(1).tolist() == [3, 3] and (topk[:, 3:] == -1).all()  # blocks 0..2, then -1
+    assert c.visible_tokens == 2 * 300
+
+
+def test_fp8_case_bytes_are_finite_in_both_formats():
+    for dtype in (torch.float8_e4m3fnuz, torch.float8_e4m3fn):
+        c = bench.DecodeCase(batch=1, context=256, L=1, num_heads=8, kv_dtype=dtype, device=torch.device("cpu"),
+                             rotations=1, pool_bytes=1 << 20)
+        raw = c.k_cache.view(torch.uint8).reshape(-1)
+        assert not (raw == 0x80).any() and not ((raw & 0x7F) == 0x7F).any()
+        assert torch.isfinite(c.k_cache.float()).all()
+
+
+def test_host_run_checks_against_the_reference(monkeypatch, host_kernels):
+    monkeypatch.setattr(bench, "POOL_BYTES", 1 << 20)
+    row = bench.bench_decode(host_kernels, torch.device("cpu"), batch=2, context=300, L=1, num_heads=16,
+                             kv_name="fp8_e4m3fnuz", iters=2, rotations=1)
+    assert row["kernel"] == "portable" and row["max_abs_err"] < 1.7e-2 * max(1.0, row["ref_max_abs"] / 4)
+    assert row["forward_us"] > 0 and row["torch_us"] > 0
+
+
+def test_recorded_run_prints_and_plots(tmp_path, capsys):
+    path = ROOT / "tools" / "results" / "h200-2026-11-30.json"
+    rows = json.loads(path.read_text())["rows"]
+    assert bench.main(["--from-json", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert table.count("decode") == sum(r["phase"] == "decode" for r in rows) and "prefill" in table
