@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+# layout.LAYOUT_STRIDES, spelled out: the CLI validates options before it imports torch
 LAYOUT_STRIDES = {"interleaved": 16, "planes": 8}
 
 

@@ -543,7 +543,17 @@ _MLIR_ELEMENT = {"bf16": "bf16", "fp16": "f16", "fp8_e4m3fn": "i8", "fp8_e4m3fnu
 _FP8_FORMAT = {"fp8_e4m3fn": "fn", "fp8_e4m3fnuz": "fnuz"}
 
 
-class SparseAttnDecodeGpuSpec(KernelSpec):
+class _TemplateSpec(KernelSpec):
+    """A kernel rendered from a kernels_mlir/ template for the GPU targets in `targets`."""
+
+    template = ""
+    targets: tuple = ()
+
+    def describe(self) -> dict:
+        return {**super().describe(), "template": self.template, "targets": list(self.targets)}
+
+
+class SparseAttnDecodeGpuSpec(_TemplateSpec):
     """The decode attend as one hand-written GPU-level MLIR text (sparse_attn_decode_gpu.mlir.j2).
 
     Same operation as SparseAttnDecodeSpec (table build fused), different module interface:
@@ -575,15 +585,17 @@ class SparseAttnDecodeGpuSpec(KernelSpec):
     def variant(self):
         return super().variant + f".L{self.cfg.decode_query_len}"
 
+    @classmethod
+    def supports(cls, cfg) -> bool:
+        """True when `cfg` can be built by this kernel (what __post_init__ would otherwise refuse)."""
+        return cfg.group_size in cls.GROUP_SIZES and cfg.topk == 16
+
     def render(self) -> str:
         c = self.cfg
         return render_template(self.template, G=c.group_size, H=c.num_kv_heads, L=c.decode_query_len,
                                QT=_MLIR_ELEMENT[c.query_dtype], KT=_MLIR_ELEMENT[c.kv_dtype],
                                FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill,
                                MMA=self.mma, PREFETCH_V=self.prefetch_v)
-
-    def describe(self) -> dict:
-        return {**super().describe(), "template": self.template, "targets": list(self.targets)}
 
 
 class SparseAttnPrefillGpuSpec(SparseAttnDecodeGpuSpec):
@@ -617,7 +629,7 @@ class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
 
     @classmethod
     def supports(cls, cfg) -> bool:
-        return cfg.group_size in cls.GROUP_SIZES and cfg.topk == 16 and (cfg.is_fp8 or cfg.kv_dtype == cfg.query_dtype)
+        return super().supports(cfg) and (cfg.is_fp8 or cfg.kv_dtype == cfg.query_dtype)
 
 
 class SparseAttnPrefillMmaSpec(SparseAttnDecodeMmaSpec):
@@ -634,7 +646,7 @@ class SparseAttnPrefillMmaSpec(SparseAttnDecodeMmaSpec):
 ATTEND_SPECS = (SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 TABLE_SPECS = (BuildDecodeTableSpec, BuildPrefillTableSpec)
 REBASE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec)
-class InsertKvGpuSpec(KernelSpec):
+class InsertKvGpuSpec(_TemplateSpec):
     """The KV insert as one hand-written GPU-level MLIR text (insert_kv_gpu.mlir.j2), in place.
 
     Operands as InsertKvSpec's; `main` writes into the cache argument itself (iree.abi.output on
@@ -656,9 +668,6 @@ class InsertKvGpuSpec(KernelSpec):
         return render_template(self.template, H=c.num_kv_heads, QT=_MLIR_ELEMENT[c.query_dtype],
                                KT=_MLIR_ELEMENT[c.kv_dtype], FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride)
 
-    def describe(self) -> dict:
-        return {**super().describe(), "template": self.template, "targets": list(self.targets)}
-
 
 GPU_SPECS = (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec,
              InsertKvGpuSpec)
@@ -669,8 +678,7 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
     """Every kernel a deployment of `cfg` needs: per cache layout (block page stride) and per
     decode query length L (1 = plain decode, > 1 = speculative decode). For a GPU `target`
     also the hand-written decode attend, where the head grouping allows it."""
-    gpu = target in SparseAttnDecodeGpuSpec.targets and cfg.group_size in SparseAttnDecodeGpuSpec.GROUP_SIZES \
-        and cfg.topk == 16
+    gpu = target in SparseAttnDecodeGpuSpec.targets and SparseAttnDecodeGpuSpec.supports(cfg)
     mma = target in SparseAttnDecodeMmaSpec.targets and SparseAttnDecodeMmaSpec.supports(cfg)
     specs = [RebaseBlockTableSpec(cfg), RebaseSlotsSpec(cfg)]
     for stride in strides:

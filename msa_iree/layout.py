@@ -26,6 +26,8 @@ PAGE_SIZE = 16
 PAGES_PER_BLOCK = BLOCK_SIZE // PAGE_SIZE  # 8 page-16 pages per side of a block
 SIDES_PER_BLOCK = 2  # K and V share a block when interleaved
 LAYOUTS = ("interleaved", "planes")
+# block page stride of each layout (see block_page_stride)
+LAYOUT_STRIDES = {"interleaved": PAGES_PER_BLOCK * SIDES_PER_BLOCK, "planes": PAGES_PER_BLOCK}
 
 
 def elements_per_16_bytes(dtype: torch.dtype) -> int:

@@ -341,10 +341,10 @@ class SparseAttention:
         if gpu_matrix not in ("auto", "fma", "mma"):
             raise ValueError(f"gpu_matrix: expected 'auto', 'fma' or 'mma', got {gpu_matrix!r}")
         self.gpu_decode = (self.kernels.target in SparseAttnDecodeGpuSpec.targets
-                           and self.cfg.group_size in SparseAttnDecodeGpuSpec.GROUP_SIZES and self.cfg.topk == 16)
+                           and SparseAttnDecodeGpuSpec.supports(self.cfg))
         mma = self.kernels.target in SparseAttnDecodeMmaSpec.targets and SparseAttnDecodeMmaSpec.supports(self.cfg)
         if gpu_matrix == "mma" and not mma:
-            raise ValueError(f"gpu_matrix='mma': expected a cuda target, 16 heads per KV head and an fp8 or "
+            raise ValueError(f"gpu_matrix='mma': expected a cuda target, 8 or 16 heads per KV head and an fp8 or "
                              f"{self.cfg.query_dtype} cache, got target {self.kernels.target!r}, {self.cfg.group_size} "
                              f"heads per KV head, {self.cfg.kv_dtype}")
         self.use_mma = mma and gpu_matrix != "fma"
@@ -368,13 +368,12 @@ class SparseAttention:
         if self.scale_tensor.device != device:
             self.scale_tensor, self._unit_scale = self.scale_tensor.to(device), self._unit_scale.to(device)
 
-    def _persistent(self, k_cache, v_cache, ks, vs):
-        """Kernel operands that live across calls (the flat page views of the caches, the scale
-        tensors), imported into IREE once and reused while the same tensors come back: a DLPack
-        import costs ~5 us per tensor per call on an H200 (tools/PERF.md)."""
-        key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in (k_cache, v_cache, ks, vs))
+    def _persistent(self, kp, vp, ks, vs):
+        """Kernel operands that live across calls (the flat page views of the folded caches, the
+        scale tensors), imported into IREE once and reused while the same tensors come back: a
+        DLPack import costs ~5 us per tensor per call on an H200 (tools/PERF.md)."""
+        key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in (kp, vp, ks, vs))
         if self._persistent_key != key:
-            kp, vp = self._folded(k_cache), self._folded(v_cache)
             operands = (kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), self.scale_tensor, ks, vs)
             # only a zero-copy view can be reused (it reads the tensor's current bytes); anything
             # IREE would copy (host driver, a strided scale) is imported again on every call
@@ -439,14 +438,14 @@ class SparseAttention:
                         sparse_context_lens[lo * h:hi * h].reshape(hi - lo, h), *common)
             elif phase is metadata.decode and self.gpu_decode:
                 spec = self._spec(self.decode_spec, stride, phase.decode_query_len)
-                kpv, vpv, scale_v, ksv, vsv = self._persistent(k_cache, v_cache, ks, vs)
+                kpv, vpv, scale_v, ksv, vsv = self._persistent(kp, vp, ks, vs)
                 args = (q, kpv, vpv, topk[:, lo:hi], phase.block_table, phase.seq_lens, scale_v, ksv, vsv)
             elif phase is metadata.decode:
                 spec = self._spec(SparseAttnDecodeSpec, stride, phase.decode_query_len)
                 args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.seq_lens, *common)
             elif self.gpu_decode:
                 spec = self._spec(self.prefill_spec, stride)
-                kpv, vpv, scale_v, ksv, vsv = self._persistent(k_cache, v_cache, ks, vs)
+                kpv, vpv, scale_v, ksv, vsv = self._persistent(kp, vp, ks, vs)
                 args = (q, kpv, vpv, topk[:, lo:hi], phase.block_table, phase.query_req_id, phase.query_abs_pos,
                         scale_v, ksv, vsv)
             else:

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from .layout import BLOCK_SIZE, HEAD_DIM, is_fp8, pack_kv_cache, quantize_fp8
+from .layout import BLOCK_SIZE, HEAD_DIM, LAYOUT_STRIDES, is_fp8, pack_kv_cache, quantize_fp8
 from .reference import decode_token_positions, query_token_positions
 
 
@@ -172,12 +172,12 @@ def gpu_test_specs():
         if SparseAttnDecodeMmaSpec.supports(cfg):
             specs += [SparseAttnDecodeMmaSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg.replace(decode_query_len=1), stride)]
     for kv, qd, layout, h, _ in GPU_SERVING_CASES:
-        stride = {"interleaved": 16, "planes": 8}[layout]
+        stride = LAYOUT_STRIDES[layout]
         cfg = MsaConfig(num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
         specs += [SparseAttnPrefillGpuSpec(cfg, stride), InsertKvGpuSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg, stride)]
         specs += [cls(cfg.replace(decode_query_len=L), stride) for L in (1, 4)
                   for cls in (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec)]
     for kv, qd, layout, h in GPU_INSERT_CASES:
         cfg = MsaConfig(num_heads=8 * h, num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
-        specs.append(InsertKvGpuSpec(cfg, {"interleaved": 16, "planes": 8}[layout]))
+        specs.append(InsertKvGpuSpec(cfg, LAYOUT_STRIDES[layout]))
     return list({s.name: s for s in specs}.values())

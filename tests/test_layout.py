@@ -83,3 +83,8 @@ def test_logical_slots_of_pages():
     pages = torch.tensor([0, 7, 16, 23])
     assert L.logical_slots_of_pages(pages, 16).tolist() == [0, 112, 128, 240]
     assert L.logical_slots_of_pages(torch.tensor([8, 15]), 8).tolist() == [128, 240]
+
+
+def test_cli_layout_strides_match_the_layout():
+    from msa_iree import cli, layout
+    assert cli.LAYOUT_STRIDES == layout.LAYOUT_STRIDES
