@@ -568,9 +568,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     output_storage = True  # `main` takes the output tensor last and writes into it (iree.abi.output)
     prefill = False
     mma = False
-    # mma variant: request a block's V fragments before QK? Measured on an H200 (tools/PERF.md):
-    # slower (39.6 vs 36.6 us, bf16 B=64), the registers cost more than the latency hidden
-    prefetch_v = False
+    min_ctas_per_sm = None  # workgroups per SM asked of ptxas (mma variant only; caps its registers)
     targets = ("cuda", "gfx942")
     GROUP_SIZES = (8, 16)
 
@@ -595,7 +593,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
         return render_template(self.template, G=c.group_size, H=c.num_kv_heads, L=c.decode_query_len,
                                QT=_MLIR_ELEMENT[c.query_dtype], KT=_MLIR_ELEMENT[c.kv_dtype],
                                FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill,
-                               MMA=self.mma, PREFETCH_V=self.prefetch_v)
+                               MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm)
 
 
 class SparseAttnPrefillGpuSpec(SparseAttnDecodeGpuSpec):
@@ -620,6 +618,9 @@ class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
     targets = ("cuda",)
     GROUP_SIZES = (8, 16)  # 8: rows 8..15 of M are zero padding
     mma = True
+    # 2 workgroups (16 warps) per SM, i.e. <= 128 registers: left alone, ptxas gave the 8-head
+    # kernel 184 registers and 1 workgroup per SM, 1.3x slower at B=64 (tools/PERF.md)
+    min_ctas_per_sm = 2
 
     def __post_init__(self):
         super().__post_init__()
