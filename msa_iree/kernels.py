@@ -565,7 +565,9 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
 
     kernel = "sparse_attn_decode_gpu"
     template = "sparse_attn_decode_gpu.mlir.j2"
-    output_storage = True  # `main` takes the output tensor last and writes into it (iree.abi.output)
+    # `main` takes the output tensor and a workspace (workspace_floats) last and writes into them
+    # (iree.abi.output): the call allocates nothing (an allocation cost ~100 us of host time per call)
+    output_storage = True
     prefill = False
     mma = False
     min_ctas_per_sm = None  # workgroups per SM asked of ptxas (mma variant only; caps its registers)
@@ -587,6 +589,13 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     def supports(cls, cfg) -> bool:
         """True when `cfg` can be built by this kernel (what __post_init__ would otherwise refuse)."""
         return cfg.group_size in cls.GROUP_SIZES and cfg.topk == 16
+
+    def workspace_floats(self, num_tokens: int) -> int:
+        """f32 elements of the workspace `main` takes after the output (the split partials o and
+        (m, l) of rows x splits x G heads, 130 floats each; the template uses 16 splits up to 16
+        rows, halving per doubling, 1 from 256: rows x splits <= max(256, rows))."""
+        rows = num_tokens * self.cfg.num_kv_heads
+        return max(256, rows) * self.cfg.group_size * 130
 
     def render(self) -> str:
         c = self.cfg

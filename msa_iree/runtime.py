@@ -334,6 +334,7 @@ class SparseAttention:
         self.scale_tensor = torch.tensor([scale], dtype=torch.float32)
         self._unit_scale = torch.ones(num_kv_heads, 1)
         self._persistent_key = None
+        self._workspace = None  # (torch f32 tensor, its IREE view): the GPU attend's split partials
         self._specs = {}  # (kernel class, decode L, stride) -> spec: built once, not per call
         self.validate_emitted_tables = validate_emitted_tables
         # the hand-written GPU attend (decode and prefill) where the target and head grouping allow
@@ -383,6 +384,15 @@ class SparseAttention:
             self._persistent_refs = operands  # keep the memory the views point at alive
             self._persistent_key = key
         return self._persistent_views
+
+    def _workspace_for(self, spec, num_tokens, device):
+        """The GPU attend's workspace (spec.workspace_floats), kept across calls and imported once;
+        reallocated only when a larger batch needs more, so the steady hot path allocates nothing."""
+        need = spec.workspace_floats(num_tokens)
+        if self._workspace is None or self._workspace[0].numel() < need or self._workspace[0].device != device:
+            ws = torch.empty(max(need, 1 << 20), dtype=torch.float32, device=device)
+            self._workspace = (ws, self.kernels.to_iree(ws) if self.kernels.zero_copy else ws)
+        return self._workspace[1]
 
     def _scales(self, k_scale, v_scale):
         h = self.cfg.num_kv_heads
@@ -451,8 +461,9 @@ class SparseAttention:
             else:
                 spec = self._spec(SparseAttnPrefillSpec, stride)
                 args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.query_req_id, phase.query_abs_pos, *common)
-            if getattr(spec, "output_storage", False) and output.is_contiguous():
-                self.kernels.run(spec, *args, out=[output[lo:hi]])  # written in place
+            if getattr(spec, "output_storage", False):  # (checks.check_out: output is contiguous)
+                ws = self._workspace_for(spec, hi - lo, query.device)
+                self.kernels.run(spec, *args, out=[output[lo:hi], ws])  # written in place
                 continue
             (o,) = self.kernels.run(spec, *args, out_dtypes=[query.dtype])
             output[lo:hi].copy_(o)

@@ -87,7 +87,8 @@ def test_decode_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, str
     args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, c.seq_lens,
             torch.tensor([c.scale]), ks.contiguous(), vs.contiguous()]
     out = torch.full(c.q.shape, float("nan"), dtype=DTYPES[qd], device=dev)  # poisoned: every element must be written
-    (got,) = cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out])
+    ws = torch.full((spec.workspace_floats(c.q.shape[0]),), float("nan"), device=dev)  # content must not matter
+    got, _ = cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, ws])
     assert got is out
 
     ref = torch.full_like(c.q, float("nan"))
@@ -116,7 +117,8 @@ def test_prefill_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, st
     args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, c.query_req_id,
             c.query_abs_pos, torch.tensor([c.scale]), ks.contiguous(), vs.contiguous()]
     out = torch.full(c.q.shape, float("nan"), dtype=DTYPES[qd], device=dev)
-    cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out])
+    ws = torch.full((spec.workspace_floats(c.q.shape[0]),), float("nan"), device=dev)
+    cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, ws])
     ref = torch.full_like(c.q, float("nan"))
     R.sparse_attn_prefill(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.query_req_id, c.query_abs_pos, h,
                           c.scale, ref, c.k_scale, c.v_scale)
@@ -138,12 +140,27 @@ def test_output_is_written_in_place(cuda_kernels):
     big = torch.full((4, 16, 128), 7.0, dtype=torch.bfloat16, device=dev)
     target = big[1:3]
     ptr = target.data_ptr()
-    cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[target])
+    ws = torch.empty(spec.workspace_floats(2), device=dev)
+    cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[target, ws])
     assert target.data_ptr() == ptr
     ref = torch.empty_like(c.q)
     R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref)
     assert (big[1:3].cpu().float() - ref.float()).abs().max() < 1.7e-2
     assert big[0].eq(7).all() and big[3].eq(7).all()
+
+
+def test_a_short_workspace_is_refused(cuda_kernels):
+    """The module checks the workspace it is given before any dispatch writes into it."""
+    c = testing.decode_case([300, 2049], seed=3)
+    spec = SparseAttnDecodeGpuSpec(MsaConfig(), 16)
+    dev = torch.device("cuda")
+    args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, c.seq_lens,
+            torch.tensor([c.scale]), torch.ones(1, 1), torch.ones(1, 1)]
+    out = torch.empty_like(c.q, device=dev)
+    needed = 2 * 16 * 16 * 130  # 2 rows, 16 splits (rows <= 16), 16 heads, o + (m, l)
+    short = torch.empty(needed - 1, device=dev)
+    with pytest.raises(Exception, match="workspace"):
+        cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, short])
 
 
 def test_results_come_back_on_the_gpu(cuda_kernels):

@@ -1,0 +1,68 @@
+"""Where one `SparseAttention.forward` call's wall time goes on a CUDA device (decode, bf16).
+
+Times each step of the call path separately (median of many, host clock, the device idle at the
+start of each timed call): the DLPack export and IREE import of one tensor, the torch stream
+sync, the module invocation on prebuilt buffer views (kernel + IREE's own cost: IREE's sync
+invocation waits for the result), `lib.run` (imports + invocation) and the whole `forward`
+(checks + imports + invocation). Kernel time comes from `msa-iree bench`.
+
+    python3 tools/call_overhead.py --build-dir .devbuild/cuda [--batch 64] [--heads 16]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.utils.dlpack
+
+from msa_iree.bench import _decode_setup
+from msa_iree.runtime import KernelLibrary
+
+
+def median_us(fn, iters=200, sync=True):
+    times = []
+    for _ in range(iters):
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--build-dir", required=True)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-dtype", default="bf16")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False)
+    c, attn, out, fwd = _decode_setup(lib, dev, a.batch, 4096, 1, a.heads, a.kv_dtype, rotations=1)
+    fwd()
+    spec = attn.decode_spec(attn.cfg, 16)
+    kp, vp = attn._folded(c.k_cache), attn._folded(c.v_cache)
+    ks, vs = attn._scales(c.k_scale, c.v_scale)
+    args = [c.q, kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), c.topk, c.block_table, c.seq_lens,
+            attn.scale_tensor, ks.contiguous(), vs.contiguous(), out,
+            torch.empty(spec.workspace_floats(c.q.shape[0]), device=dev)]
+    views = [lib.to_iree(t) for t in args]
+    fn = lib.function(spec)
+    device = lib.config.device
+    cap = lambda: torch.utils.dlpack.to_dlpack(c.q)
+    rows = {
+        "to_dlpack (1 tensor)": median_us(cap),
+        "to_dlpack + IREE import (1 tensor)": median_us(lambda: device.from_dlpack_capsule(cap())),
+        "torch stream sync, idle": median_us(lambda: torch.cuda.current_stream().synchronize()),
+        "invoke, prebuilt views (kernel + IREE)": median_us(lambda: fn(*views)),
+        "lib.run (11 imports + invoke)": median_us(lambda: lib.run(spec, *args[:-2], out=args[-2:])),
+        "forward (checks + 5 imports + invoke)": median_us(fwd),
+    }
+    print(f"decode B={a.batch} heads={a.heads} kv={a.kv_dtype}, host-clock medians:")
+    for k, v in rows.items():
+        print(f"  {k:42s} {v:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
