@@ -319,6 +319,18 @@ class MetadataBuilder:
 # ---- the attend ------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class _LayerState:
+    """SparseAttention's per-layer operands (see SparseAttention._layer_state)."""
+    stride: int                 # block page stride of the cache layout
+    kp: torch.Tensor            # folded page views [pages * H, ...], storage dtype
+    vp: torch.Tensor
+    ks: torch.Tensor            # module scales [H, 1 or slots]
+    vs: torch.Tensor
+    operands: tuple             # (kp flat, vp flat, scale, ks, vs): keeps the viewed memory alive
+    views: tuple                # the same as IREE views (GPU drivers) or tensors (host)
+
+
 class SparseAttention:
     """MiniMax-M3 sparse attend over SHUFFLE page-16 caches, backed by compiled IREE modules."""
 
@@ -369,21 +381,42 @@ class SparseAttention:
         if self.scale_tensor.device != device:
             self.scale_tensor, self._unit_scale = self.scale_tensor.to(device), self._unit_scale.to(device)
 
-    def _persistent(self, kp, vp, ks, vs):
-        """Kernel operands that live across calls (the flat page views of the folded caches, the
-        scale tensors), imported into IREE once and reused while the same tensors come back: a
-        DLPack import costs ~5 us per tensor per call on an H200 (tools/PERF.md)."""
-        key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in (kp, vp, ks, vs))
-        if self._persistent_key != key:
-            operands = (kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), self.scale_tensor, ks, vs)
-            # only a zero-copy view can be reused (it reads the tensor's current bytes); anything
-            # IREE would copy (host driver, a strided scale) is imported again on every call
-            self._persistent_views = tuple(
-                self.kernels.to_iree(t) if self.kernels.zero_copy and t.is_cuda and t.is_contiguous() else t
-                for t in operands)
-            self._persistent_refs = operands  # keep the memory the views point at alive
-            self._persistent_key = key
-        return self._persistent_views
+    def _layer_state(self, k_cache, v_cache, k_scale, v_scale):
+        """What depends only on the layer's cache and scale tensors, worked out once and reused
+        while the same tensors come back (a layer passes the same ones every step): their checks,
+        the folded page views, the module scales, and for the GPU attend their IREE views
+        (a DLPack import costs ~1-5 us per tensor on an H200 host, tools/PERF.md)."""
+        key = tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+                    for t in (k_cache, v_cache, k_scale, v_scale))
+        if self._persistent_key == key:
+            return self._persistent
+        cfg = self.cfg
+        checks.check_kv_cache(k_cache, v_cache, cfg.num_kv_heads, self.kv_dtype)
+        stride = block_page_stride(k_cache, v_cache)
+        capacity = k_cache.shape[0] // stride * BLOCK_SIZE
+        checks.check_scale("k_scale", k_scale, self.kv_dtype, cfg.num_kv_heads, capacity)
+        checks.check_scale("v_scale", v_scale, self.kv_dtype, cfg.num_kv_heads, capacity)
+        self._on(k_cache.device)
+        kp, vp = self._folded(k_cache), self._folded(v_cache)
+        ks, vs = self._scales(k_scale, v_scale)
+        operands = (kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), self.scale_tensor, ks, vs)
+        # only a zero-copy view can be reused (it reads the tensor's current bytes); anything
+        # IREE would copy (host driver, a strided scale) is imported again on every call
+        views = tuple(self.kernels.to_iree(t) if self.kernels.zero_copy and t.is_cuda and t.is_contiguous() else t
+                      for t in operands)
+        # operands keeps the memory the views point at alive
+        self._persistent = _LayerState(stride, kp, vp, ks, vs, operands, views)
+        self._persistent_key = key
+        return self._persistent
+
+    def _step_views(self, phase, *names):
+        """IREE views of a phase's metadata tensors, imported by the first layer of a step and
+        reused by the others (they share the step's metadata)."""
+        cache = phase.__dict__.setdefault("_iree_views", {})
+        views = cache.get(id(self.kernels))
+        if views is None:
+            views = cache[id(self.kernels)] = {n: self.kernels.to_iree(getattr(phase, n)) for n in names}
+        return [views[n] for n in names]
 
     def _workspace_for(self, spec, num_tokens, device):
         """The GPU attend's workspace (spec.workspace_floats), kept across calls and imported once;
@@ -398,29 +431,27 @@ class SparseAttention:
         h = self.cfg.num_kv_heads
         return tuple(self._unit_scale if s is None else module_scale(s, h) for s in (k_scale, v_scale))
 
-    def _check(self, query, k_cache, v_cache, output, topk, k_scale, v_scale):
+    def _check(self, query, k_cache, output, topk):
+        """The per-call checks (the cache and scale checks run in _layer_state, once per tensor)."""
         cfg = self.cfg
         checks.check_query(query, cfg.num_heads)
         checks.check_dtype("query", query, cfg.query_torch_dtype)
-        checks.check_kv_cache(k_cache, v_cache, cfg.num_kv_heads, self.kv_dtype)
         checks.check_device("k_cache", k_cache, query.device)
         checks.check_out(output, query)
         checks.check_topk(topk, cfg.num_kv_heads, None, cfg.topk)
-        capacity = k_cache.shape[0] // block_page_stride(k_cache, v_cache) * BLOCK_SIZE
-        checks.check_scale("k_scale", k_scale, self.kv_dtype, cfg.num_kv_heads, capacity)
-        checks.check_scale("v_scale", v_scale, self.kv_dtype, cfg.num_kv_heads, capacity)
 
     def forward(self, query, k_cache, v_cache, output, topk, metadata: MsaMetadata, k_scale=None, v_scale=None,
                 sparse_block_table=None, sparse_context_lens=None):
         """query/output [tokens, Hq, 128]; topk [H, >= tokens, K] int32. Returns `output`."""
         if not isinstance(metadata, MsaMetadata):
             return output  # profiling run: nothing to attend (SPEC §7.4)
-        self._check(query, k_cache, v_cache, output, topk, k_scale, v_scale)
+        self._check(query, k_cache, output, topk)
+        layer = self._layer_state(k_cache, v_cache, k_scale, v_scale)
         cfg, h = self.cfg, self.cfg.num_kv_heads
         nd, n = metadata.num_decode_tokens, metadata.num_actual_tokens
         if topk.shape[1] < n:
             raise ValueError(f"topk: expected at least num_actual_tokens={n} rows, got {topk.shape[1]}")
-        stride = block_page_stride(k_cache, v_cache)
+        stride = layer.stride
         emitted = checks.check_sparse_table(sparse_block_table, sparse_context_lens, None, cfg.topk)
         if emitted:
             if stride != PAGES_PER_BLOCK * 2:
@@ -434,10 +465,8 @@ class SparseAttention:
             if self.validate_emitted_tables:
                 checks.check_ids_in_range("sparse_block_table", sparse_block_table[:n * h],
                                           min(k_cache.shape[0], v_cache.shape[0]) * h)
-        self._on(query.device)
-        kp, vp = self._folded(k_cache), self._folded(v_cache)
-        ks, vs = self._scales(k_scale, v_scale)
-        common = (self.scale_tensor, ks, vs)
+        kp, vp = layer.kp, layer.vp
+        common = (self.scale_tensor, layer.ks, layer.vs)
         for lo, hi, phase in ((0, nd, metadata.decode), (nd, n, metadata.prefill)):
             if hi == lo:
                 continue
@@ -448,16 +477,17 @@ class SparseAttention:
                         sparse_context_lens[lo * h:hi * h].reshape(hi - lo, h), *common)
             elif phase is metadata.decode and self.gpu_decode:
                 spec = self._spec(self.decode_spec, stride, phase.decode_query_len)
-                kpv, vpv, scale_v, ksv, vsv = self._persistent(kp, vp, ks, vs)
-                args = (q, kpv, vpv, topk[:, lo:hi], phase.block_table, phase.seq_lens, scale_v, ksv, vsv)
+                kpv, vpv, scale_v, ksv, vsv = layer.views
+                args = (q, kpv, vpv, topk[:, lo:hi], *self._step_views(phase, "block_table", "seq_lens"),
+                        scale_v, ksv, vsv)
             elif phase is metadata.decode:
                 spec = self._spec(SparseAttnDecodeSpec, stride, phase.decode_query_len)
                 args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.seq_lens, *common)
             elif self.gpu_decode:
                 spec = self._spec(self.prefill_spec, stride)
-                kpv, vpv, scale_v, ksv, vsv = self._persistent(kp, vp, ks, vs)
-                args = (q, kpv, vpv, topk[:, lo:hi], phase.block_table, phase.query_req_id, phase.query_abs_pos,
-                        scale_v, ksv, vsv)
+                kpv, vpv, scale_v, ksv, vsv = layer.views
+                args = (q, kpv, vpv, topk[:, lo:hi],
+                        *self._step_views(phase, "block_table", "query_req_id", "query_abs_pos"), scale_v, ksv, vsv)
             else:
                 spec = self._spec(SparseAttnPrefillSpec, stride)
                 args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.query_req_id, phase.query_abs_pos, *common)
