@@ -620,8 +620,9 @@ class SparseAttnPrefillGpuSpec(SparseAttnDecodeGpuSpec):
 class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
     """The GPU attend with both products on NVIDIA tensor cores (mma.sync m16n8k16 through
     nvgpu.mma.sync; the heads of a KV head are M). CUDA only; 8 or 16 heads per KV head; the cache
-    holds the query's dtype or fp8 (decoded exactly into it). The gfx942 build keeps the FMA
-    variant: an MFMA twin of these fragments is not written yet."""
+    holds the query's dtype, or fp8 (then both products run in f16: fp8 values and bf16 queries
+    convert exactly, queries clamped to +-65504). The gfx942 build keeps the FMA variant: an
+    MFMA twin of these fragments is not written yet."""
 
     kernel = "sparse_attn_decode_mma"
     targets = ("cuda",)
