@@ -180,4 +180,6 @@ def gpu_test_specs():
     for kv, qd, layout, h in GPU_INSERT_CASES:
         cfg = MsaConfig(num_heads=8 * h, num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
         specs.append(InsertKvGpuSpec(cfg, LAYOUT_STRIDES[layout]))
+    for kv in ("fp8_e4m3fn", "fp8_e4m3fnuz"):  # the NaN-code tests: decode L=1, interleaved
+        specs += [cls(MsaConfig(kv_dtype=kv), 16) for cls in (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec)]
     return list({s.name: s for s in specs}.values())

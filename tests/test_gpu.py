@@ -149,6 +149,58 @@ def test_output_is_written_in_place(cuda_kernels):
     assert big[0].eq(7).all() and big[3].eq(7).all()
 
 
+def _nan_case(kv):
+    """A decode case with fp8 NaN codes: K at a position row 0 sees (its scores, so its whole
+    output, become NaN), V at a position row 1 sees (dim 77 of its output), and both in row 2's
+    own block past its position (must change nothing). Returns (case, reference output)."""
+    from msa_iree.layout import pack_kv_cache
+
+    c = testing.decode_case([300, 2049, 129], kv_dtype=DTYPES[kv], seed=21, keep_own_prob=1.0)
+    nan = 0x7F if kv == "fp8_e4m3fn" else 0x80
+    own = [int(c.block_table[r, int(c.query_abs_pos[r]) // 128]) for r in range(3)]
+    kb, vb = c.k_logical.view(torch.uint8), c.v_logical.view(torch.uint8)
+    kb[own[0], 0, 0, 5] = nan      # row 0 sees tokens 0..43 of its own block
+    vb[own[1], 0, 0, 77] = nan     # row 1 (position 2048) sees token 0 of its own block only
+    kb[own[2], 1, 0, 9] = nan      # row 2 (position 128) sees token 0 only
+    vb[own[2], 64, 0, 1] = nan
+    c.k_cache, c.v_cache = pack_kv_cache(c.k_logical, c.v_logical, "interleaved")
+    ref = torch.full_like(c.q, float("nan"))
+    R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref,
+                         c.k_scale, c.v_scale, decode_query_len=1)
+    return c, ref
+
+
+def test_the_nan_case_is_what_it_says():
+    """(CPU) The reference turns exactly row 0 and dim 77 of row 1 into NaN for _nan_case."""
+    for kv in ("fp8_e4m3fn", "fp8_e4m3fnuz"):
+        c, ref = _nan_case(kv)
+        want = torch.zeros_like(ref, dtype=torch.bool)
+        want[0] = True
+        want[1, :, 77] = True
+        assert torch.equal(ref.isnan(), want), kv
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3fn", "fp8_e4m3fnuz"])
+@pytest.mark.parametrize("matrix", ["fma", "mma"])
+def test_fp8_nan_codes_propagate_as_in_the_reference(cuda_kernels, kv, matrix):
+    """No silent garbage: a NaN code the row sees gives NaN where the reference does (the mma
+    kernel's word decode marks NaN codes explicitly), and one it does not see changes nothing."""
+    from msa_iree.kernels import SparseAttnDecodeMmaSpec
+
+    c, ref = _nan_case(kv)
+    spec = (SparseAttnDecodeMmaSpec if matrix == "mma" else SparseAttnDecodeGpuSpec)(MsaConfig(kv_dtype=kv), 16)
+    dev = torch.device("cuda")
+    args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, c.seq_lens,
+            torch.tensor([c.scale]), c.k_scale.reshape(1, 1), c.v_scale.reshape(1, 1)]
+    out = torch.zeros(c.q.shape, dtype=c.q.dtype, device=dev)
+    ws = torch.empty(spec.workspace_floats(c.q.shape[0]), device=dev)
+    cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, ws])
+    out = out.cpu()
+    assert torch.equal(out.isnan(), ref.isnan())
+    seen = ~ref.isnan()
+    assert (out[seen].float() - ref[seen].float()).abs().max() < 1.7e-2
+
+
 def test_a_short_workspace_is_refused(cuda_kernels):
     """The module checks the workspace it is given before any dispatch writes into it."""
     c = testing.decode_case([300, 2049], seed=3)
