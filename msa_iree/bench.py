@@ -155,6 +155,17 @@ def _decode_setup(lib, device, batch, context, L, num_heads, kv_name, rotations,
     return c, attn, out, fwd
 
 
+def decode_module_operands(attn, c):
+    """The GPU decode module's operands for DecodeCase `c`, as SparseAttention passes them:
+    (spec, inputs [q, k pages, v pages, topk, block table, seq_lens, scale, k_scale, v_scale],
+    a workspace of spec.workspace_floats)."""
+    layer = attn._layer_state(c.k_cache, c.v_cache, c.k_scale, c.v_scale)
+    kp, vp, scale, ks, vs = layer.operands
+    spec = attn._spec(attn.decode_spec, layer.stride, c.L)
+    inputs = [c.q, kp, vp, c.topk, c.block_table, c.seq_lens, scale, ks.contiguous(), vs.contiguous()]
+    return spec, inputs, torch.empty(spec.workspace_floats(c.q.shape[0]), dtype=torch.float32, device=c.q.device)
+
+
 def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rotations=16, matrix="auto"):
     """Correctness check and the wall-clock numbers of one decode case (no profiler in this pass:
     CUPTI, once attached, slows every later CUDA call of the process)."""
@@ -175,12 +186,7 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
     row["x_torch"] = row["torch_us"] / row["forward_us"]  # replaced by the kernel ratio when kernel time is known
     row["GBps"] = c.kv_bytes / row["forward_us"] / 1e3
     if attn.gpu_decode and device.type == "cuda":
-        spec = attn.decode_spec(attn.cfg.replace(decode_query_len=L), 16)
-        kp, vp = attn._folded(c.k_cache), attn._folded(c.v_cache)
-        ks, vs = attn._scales(c.k_scale, c.v_scale)
-        args = [c.q, kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), c.topk, c.block_table, c.seq_lens,
-                attn.scale_tensor, ks.contiguous(), vs.contiguous()]
-        ws = torch.empty(spec.workspace_floats(c.q.shape[0]), dtype=torch.float32, device=device)
+        spec, args, ws = decode_module_operands(attn, c)
         row["call_us"] = wall_us(lambda: lib.run(spec, *args, out=[out, ws]), iters, device)
         chain = lib.function(spec, "chain")
         iree_args = [lib.to_iree(a) for a in args]

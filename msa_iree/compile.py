@@ -16,7 +16,7 @@ import tempfile
 import time
 from importlib import metadata
 
-from . import __version__
+from . import KERNELS_MLIR, __version__
 
 TARGETS: dict[str, list[str]] = {
     "host": ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
@@ -31,7 +31,6 @@ VERIFIED_ON = {"host": "tested on the host CPU by the test suite",
                "cuda": "runs on NVIDIA GPUs (sm_80 PTX, JIT on newer); benchmarked on an H200",
                "gfx942": "compiled and inspected only: no AMD GPU was available to run it"}
 _SOURCES = ("kernels.py", "layout.py", "config.py", "compile.py")
-_TEMPLATES = pathlib.Path(__file__).resolve().parent.parent / "kernels_mlir"
 
 
 class CompileError(RuntimeError):
@@ -63,7 +62,7 @@ def _source_digest() -> str:
     h = hashlib.sha256()
     for name in _SOURCES:
         h.update((here / name).read_bytes())
-    for template in sorted(_TEMPLATES.glob("*.j2")):
+    for template in sorted(KERNELS_MLIR.glob("*.j2")):
         h.update(template.read_bytes())
     return h.hexdigest()
 

@@ -21,10 +21,10 @@ P pages, x = 16 bytes / element.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 
 import torch
 
+from . import KERNELS_MLIR
 from .config import FP8_DTYPES, MsaConfig
 from .layout import BLOCK_SIZE, HEAD_DIM, PAGE_SIZE, PAGES_PER_BLOCK, elements_per_16_bytes
 
@@ -524,7 +524,6 @@ class InsertKvSpec(KernelSpec):
 
 # ---- hand-written GPU-level kernels (kernels_mlir/, issue 5) ----------------------------------
 
-KERNELS_MLIR = pathlib.Path(__file__).resolve().parent.parent / "kernels_mlir"
 
 
 def render_template(name: str, **params) -> str:
@@ -583,7 +582,8 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
 
     @property
     def variant(self):
-        return super().variant + f".L{self.cfg.decode_query_len}"
+        base = super().variant
+        return base if self.prefill else base + f".L{self.cfg.decode_query_len}"
 
     @classmethod
     def supports(cls, cfg) -> bool:
@@ -612,10 +612,6 @@ class SparseAttnPrefillGpuSpec(SparseAttnDecodeGpuSpec):
     kernel = "sparse_attn_prefill_gpu"
     prefill = True
 
-    @property
-    def variant(self):
-        return KernelSpec.variant.fget(self)
-
 
 class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
     """The GPU attend with both products on NVIDIA tensor cores (mma.sync m16n8k16 through
@@ -625,8 +621,7 @@ class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
     MFMA twin of these fragments is not written yet."""
 
     kernel = "sparse_attn_decode_mma"
-    targets = ("cuda",)
-    GROUP_SIZES = (8, 16)  # 8: rows 8..15 of M are zero padding
+    targets = ("cuda",)  # GROUP_SIZES as the FMA variant's; 8 heads: rows 8..15 of M are zero padding
     mma = True
     # 2 workgroups (16 warps) per SM, i.e. <= 128 registers: left alone, ptxas gave the 8-head
     # kernel 184 registers and 1 workgroup per SM, 1.3x slower at B=64 (tools/PERF.md)
@@ -649,14 +644,12 @@ class SparseAttnPrefillMmaSpec(SparseAttnDecodeMmaSpec):
     kernel = "sparse_attn_prefill_mma"
     prefill = True
 
-    @property
-    def variant(self):
-        return KernelSpec.variant.fget(self)
-
 
 ATTEND_SPECS = (SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 TABLE_SPECS = (BuildDecodeTableSpec, BuildPrefillTableSpec)
 REBASE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec)
+
+
 class InsertKvGpuSpec(_TemplateSpec):
     """The KV insert as one hand-written GPU-level MLIR text (insert_kv_gpu.mlir.j2), in place.
 

@@ -345,7 +345,7 @@ class SparseAttention:
         self.scale = scale
         self.scale_tensor = torch.tensor([scale], dtype=torch.float32)
         self._unit_scale = torch.ones(num_kv_heads, 1)
-        self._persistent_key = None
+        self._layer_key = None
         self._workspace = None  # (torch f32 tensor, its IREE view): the GPU attend's split partials
         self._specs = {}  # (kernel class, decode L, stride) -> spec: built once, not per call
         self.validate_emitted_tables = validate_emitted_tables
@@ -388,8 +388,8 @@ class SparseAttention:
         (a DLPack import costs ~1-5 us per tensor on an H200 host, tools/PERF.md)."""
         key = tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
                     for t in (k_cache, v_cache, k_scale, v_scale))
-        if self._persistent_key == key:
-            return self._persistent
+        if self._layer_key == key:
+            return self._layer
         cfg = self.cfg
         checks.check_kv_cache(k_cache, v_cache, cfg.num_kv_heads, self.kv_dtype)
         stride = block_page_stride(k_cache, v_cache)
@@ -405,9 +405,9 @@ class SparseAttention:
         views = tuple(self.kernels.to_iree(t) if self.kernels.zero_copy and t.is_cuda and t.is_contiguous() else t
                       for t in operands)
         # operands keeps the memory the views point at alive
-        self._persistent = _LayerState(stride, kp, vp, ks, vs, operands, views)
-        self._persistent_key = key
-        return self._persistent
+        self._layer = _LayerState(stride, kp, vp, ks, vs, operands, views)
+        self._layer_key = key
+        return self._layer
 
     def _step_views(self, phase, *names):
         """IREE views of a phase's metadata tensors, imported by the first layer of a step and

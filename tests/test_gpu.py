@@ -15,6 +15,7 @@ from msa_iree import reference as R
 from msa_iree import testing
 from msa_iree.config import DTYPES, MsaConfig
 from msa_iree.kernels import SparseAttnDecodeGpuSpec, storage_dtype
+from msa_iree.runtime import module_scale
 
 pytestmark = pytest.mark.gpu
 BUILD = pathlib.Path(os.environ.get("MSA_IREE_CUDA_BUILD", pathlib.Path(__file__).resolve().parent.parent / "build" / "cuda-tests"))
@@ -50,6 +51,14 @@ def _flat_pages(cache):
     return cache.reshape(cache.shape[0] * cache.shape[1], -1).view(storage_dtype(cache.dtype))
 
 
+def _module_operands(c, *positions):
+    """A testing Case as the GPU attend module's inputs: q, flat pages, top-k, block table, the
+    row positions (seq_lens for decode; query_req_id, query_abs_pos for prefill), scales."""
+    ks, vs = (module_scale(s, c.num_kv_heads).contiguous() for s in (c.k_scale, c.v_scale))
+    return [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, *positions,
+            torch.tensor([c.scale]), ks, vs]
+
+
 def _variants(prefill):
     """(case, spec class) for every GPU decode case: the FMA kernel (what gfx942 builds, proven
     here) and, where it applies, the tensor-core (mma) kernel CUDA serves with."""
@@ -81,11 +90,7 @@ def test_decode_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, str
     c.topk[0, t, :4] = torch.tensor([own, own, 3, 3], dtype=torch.int32)
     spec = spec_cls(MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd, decode_query_len=L), stride)
     dev = torch.device("cuda")
-    ones = torch.ones(h, 1)
-    ks = ones if c.k_scale is None else c.k_scale.reshape(1, 1).expand(h, 1) if c.k_scale.numel() == 1 else c.k_scale
-    vs = ones if c.v_scale is None else c.v_scale.reshape(1, 1).expand(h, 1) if c.v_scale.numel() == 1 else c.v_scale
-    args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, c.seq_lens,
-            torch.tensor([c.scale]), ks.contiguous(), vs.contiguous()]
+    args = _module_operands(c, c.seq_lens)
     out = torch.full(c.q.shape, float("nan"), dtype=DTYPES[qd], device=dev)  # poisoned: every element must be written
     ws = torch.full((spec.workspace_floats(c.q.shape[0]),), float("nan"), device=dev)  # content must not matter
     got, _ = cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, ws])
@@ -111,11 +116,7 @@ def test_prefill_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, st
     c.query_abs_pos[5] = -1  # a padded token: must come out exactly zero
     spec = spec_cls(MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd), stride)
     dev = torch.device("cuda")
-    ones = torch.ones(h, 1)
-    ks = ones if c.k_scale is None else c.k_scale.reshape(1, 1).expand(h, 1) if c.k_scale.numel() == 1 else c.k_scale
-    vs = ones if c.v_scale is None else c.v_scale.reshape(1, 1).expand(h, 1) if c.v_scale.numel() == 1 else c.v_scale
-    args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, c.query_req_id,
-            c.query_abs_pos, torch.tensor([c.scale]), ks.contiguous(), vs.contiguous()]
+    args = _module_operands(c, c.query_req_id, c.query_abs_pos)
     out = torch.full(c.q.shape, float("nan"), dtype=DTYPES[qd], device=dev)
     ws = torch.full((spec.workspace_floats(c.q.shape[0]),), float("nan"), device=dev)
     cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, ws])
@@ -135,8 +136,7 @@ def test_output_is_written_in_place(cuda_kernels):
     c = testing.decode_case([300, 2049], seed=3)
     spec = SparseAttnDecodeGpuSpec(MsaConfig(), 16)
     dev = torch.device("cuda")
-    args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, c.seq_lens,
-            torch.tensor([c.scale]), torch.ones(1, 1), torch.ones(1, 1)]
+    args = _module_operands(c, c.seq_lens)
     big = torch.full((4, 16, 128), 7.0, dtype=torch.bfloat16, device=dev)
     target = big[1:3]
     ptr = target.data_ptr()
@@ -190,8 +190,7 @@ def test_fp8_nan_codes_propagate_as_in_the_reference(cuda_kernels, kv, matrix):
     c, ref = _nan_case(kv)
     spec = (SparseAttnDecodeMmaSpec if matrix == "mma" else SparseAttnDecodeGpuSpec)(MsaConfig(kv_dtype=kv), 16)
     dev = torch.device("cuda")
-    args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, c.seq_lens,
-            torch.tensor([c.scale]), c.k_scale.reshape(1, 1), c.v_scale.reshape(1, 1)]
+    args = _module_operands(c, c.seq_lens)
     out = torch.zeros(c.q.shape, dtype=c.q.dtype, device=dev)
     ws = torch.empty(spec.workspace_floats(c.q.shape[0]), device=dev)
     cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, ws])
@@ -206,8 +205,7 @@ def test_a_short_workspace_is_refused(cuda_kernels):
     c = testing.decode_case([300, 2049], seed=3)
     spec = SparseAttnDecodeGpuSpec(MsaConfig(), 16)
     dev = torch.device("cuda")
-    args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), c.topk, c.block_table, c.seq_lens,
-            torch.tensor([c.scale]), torch.ones(1, 1), torch.ones(1, 1)]
+    args = _module_operands(c, c.seq_lens)
     out = torch.empty_like(c.q, device=dev)
     needed = 2 * 16 * 16 * 130  # 2 rows, 16 splits (rows <= 16), 16 heads, o + (m, l)
     short = torch.empty(needed - 1, device=dev)

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.utils.dlpack
 
-from msa_iree.bench import _decode_setup
+from msa_iree.bench import _decode_setup, decode_module_operands
 from msa_iree.runtime import KernelLibrary
 
 
@@ -41,12 +41,8 @@ def main():
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False)
     c, attn, out, fwd = _decode_setup(lib, dev, a.batch, 4096, 1, a.heads, a.kv_dtype, rotations=1)
     fwd()
-    spec = attn.decode_spec(attn.cfg, 16)
-    kp, vp = attn._folded(c.k_cache), attn._folded(c.v_cache)
-    ks, vs = attn._scales(c.k_scale, c.v_scale)
-    args = [c.q, kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), c.topk, c.block_table, c.seq_lens,
-            attn.scale_tensor, ks.contiguous(), vs.contiguous(), out,
-            torch.empty(spec.workspace_floats(c.q.shape[0]), device=dev)]
+    spec, inputs, ws = decode_module_operands(attn, c)
+    args = [*inputs, out, ws]
     views = [lib.to_iree(t) for t in args]
     fn = lib.function(spec)
     device = lib.config.device
