@@ -98,7 +98,7 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compile", help="build the kernel modules (vmfb + manifest.json) for targets")
     c.add_argument("--target", type=_csv(str), default=["gfx942"],
-                   help="gfx942 (MI300X, default; compiled, not run here), host (llvm-cpu), cuda (sm_80); comma list")
+                   help="gfx942 (MI300X, default; compiled, not run here), host (llvm-cpu), cuda (sm_80; the e4m3fn mma attend sm_89); comma list")
     c.add_argument("--num-heads", type=int, default=16, help="query heads per rank (default 16 = MiniMax-M3 TP4)")
     c.add_argument("--num-kv-heads", type=int, default=1, help="KV heads per rank (default 1)")
     c.add_argument("--kv-dtype", default="fp8", help="bf16, fp16, fp8 (the target's native: e4m3fnuz on gfx942), "

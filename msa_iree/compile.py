@@ -28,7 +28,7 @@ TARGETS: dict[str, list[str]] = {
 DRIVERS = {"host": "local-task", "gfx942": "hip", "cuda": "cuda"}
 # Where each target's modules can be run and therefore verified.
 VERIFIED_ON = {"host": "tested on the host CPU by the test suite",
-               "cuda": "runs on NVIDIA GPUs (sm_80 PTX, JIT on newer); benchmarked on an H200",
+               "cuda": "runs on NVIDIA GPUs (sm_80 PTX, JIT on newer; the e4m3fn mma attend sm_89+); benchmarked on an H200",
                "gfx942": "compiled and inspected only: no AMD GPU was available to run it"}
 _SOURCES = ("kernels.py", "layout.py", "config.py", "compile.py")
 
@@ -72,8 +72,15 @@ def _tool_versions() -> dict:
     return {"iree": iree_version(), "torch": metadata.version("torch"), "turbine": metadata.version("iree-turbine")}
 
 
+def spec_flags(spec, target: str) -> list[str]:
+    """Flags a kernel adds for `target` (after the target's own: a later --iree-cuda-target wins),
+    e.g. the e4m3fn mma attend's sm_89, where the hardware converts fp8."""
+    return list(spec.target_flags(target)) if hasattr(spec, "target_flags") else []
+
+
 def content_key(spec, target: str, extra_flags=()) -> str:
-    payload = json.dumps({"spec": spec.describe(), "name": spec.name, "flags": TARGETS[target] + list(extra_flags),
+    flags = TARGETS[target] + spec_flags(spec, target) + list(extra_flags)
+    payload = json.dumps({"spec": spec.describe(), "name": spec.name, "flags": flags,
                           **_tool_versions(), "sources": _source_digest()},
                          sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
@@ -138,7 +145,7 @@ def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=No
 
         shutil.rmtree(isa_dir, ignore_errors=True)
         dump = [f"--iree-hal-dump-executable-files-to={isa_dir}"]
-    vmfb = compile_mlir(mlir, target, list(extra_flags) + dump)
+    vmfb = compile_mlir(mlir, target, spec_flags(spec, target) + list(extra_flags) + dump)
     _atomic_write(cached, vmfb)
     return vmfb, key, False
 

@@ -570,6 +570,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     prefill = False
     mma = False
     min_ctas_per_sm = None  # workgroups per SM asked of ptxas (mma variant only; caps its registers)
+    hw_fp8 = False  # e4m3fn converted by the hardware (mma variant on CUDA sm_89+ only)
     targets = ("cuda", "gfx942")
     GROUP_SIZES = (8, 16)
 
@@ -602,7 +603,19 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
         return render_template(self.template, G=c.group_size, H=c.num_kv_heads, L=c.decode_query_len,
                                QT=_MLIR_ELEMENT[c.query_dtype], KT=_MLIR_ELEMENT[c.kv_dtype],
                                FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill,
-                               MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm)
+                               MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm, HW_FP8=self.uses_hw_fp8)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "mma": self.mma, "min_ctas_per_sm": self.min_ctas_per_sm,
+                "hw_fp8": self.uses_hw_fp8}
+
+    @property
+    def uses_hw_fp8(self) -> bool:
+        return self.mma and self.hw_fp8 and self.cfg.kv_dtype == "fp8_e4m3fn"
+
+    def target_flags(self, target: str) -> list[str]:
+        # cvt.rn.f16x2.e4m3x2 exists from sm_89 (Ada, Hopper) on: such a module does not load on sm_80
+        return ["--iree-cuda-target=sm_89"] if target == "cuda" and self.uses_hw_fp8 else []
 
 
 class SparseAttnPrefillGpuSpec(SparseAttnDecodeGpuSpec):
@@ -626,6 +639,9 @@ class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
     # 2 workgroups (16 warps) per SM, i.e. <= 128 registers: left alone, ptxas gave the 8-head
     # kernel 184 registers and 1 workgroup per SM, 1.3x slower at B=64 (tools/PERF.md)
     min_ctas_per_sm = 2
+    # e4m3fn K/V converted two bytes per instruction (cvt.rn.f16x2.e4m3x2) instead of ~14 integer
+    # ops per word: the module is built for sm_89 (runs on Ada and Hopper, not on sm_80)
+    hw_fp8 = True
 
     def __post_init__(self):
         super().__post_init__()
