@@ -14,7 +14,7 @@ its own block always among them):
 - torch_us: torch eager's reference attend over the prebuilt page table (CUDA events, median);
 - GB/s counts the selected K and V bytes the queries see, divided by kernel_us, and % copy
   relates it to a device-to-device copy measured in the same run.
-Prefill (q = 4096 over a 32K context) reports forward_us and torch_us.
+Prefill (q = 4096 over a 32K context) reports kernel_us (as for decode; on the host: forward_us), forward_us and torch_us.
 """
 from __future__ import annotations
 
@@ -64,15 +64,16 @@ def events_us(fn, iters, device, flush=None):
     return statistics.median(times)
 
 
-def kernel_us(fn, device, iters=10, flush=None):
+def kernel_us(fn, device, iters=10, flush=None, by_kernel=None):
     """Device time of the kernels `fn` launches (all of them, summed per call), median over
     calls, from CUDA's activity records (torch.profiler/CUPTI sees IREE's launches too).
-    `flush` runs before each call (outside the measurement) to evict the L2."""
+    `flush` runs before each call (outside the measurement) to evict the L2. `by_kernel`, a
+    dict, receives each kernel name's median time."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    per_call = []
+    per_call, per_kernel = [], {}
     for _ in range(iters):
         if flush is not None:
             flush()
@@ -80,8 +81,15 @@ def kernel_us(fn, device, iters=10, flush=None):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        per_call.append(sum(e.device_time for e in prof.events()
-                            if e.device_type == torch.autograd.DeviceType.CUDA))
+        call = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                call[e.name] = call.get(e.name, 0.0) + e.device_time
+        per_call.append(sum(call.values()))
+        for name, us in call.items():
+            per_kernel.setdefault(name, []).append(us)
+    if by_kernel is not None:
+        by_kernel.update({name: statistics.median(v) for name, v in per_kernel.items()})
     return statistics.median(per_call)
 
 
@@ -203,8 +211,9 @@ def add_kernel_time(lib, device, row, rotations=16):
     """Second pass (profiler attached): the device time of one forward's kernels, L2 flushed."""
     c, attn, out, fwd = _decode_setup(lib, device, row["batch"], row["context"], row["L"], row["q_heads"],
                                       row["kv_dtype"], rotations, row["matrix"])
-    k_us = kernel_us(fwd, device, flush=l2_flusher(device))
-    row.update(kernel_us=k_us, GBps=c.kv_bytes / k_us / 1e3, x_torch=row["torch_us"] / k_us,
+    by_kernel = {}
+    k_us = kernel_us(fwd, device, flush=l2_flusher(device), by_kernel=by_kernel)
+    row.update(kernel_us=k_us, kernels_us=by_kernel, GBps=c.kv_bytes / k_us / 1e3, x_torch=row["torch_us"] / k_us,
                overhead_us=row["forward_us"] - k_us, forward_over_kernel=row["forward_us"] / k_us)
 
 
@@ -230,13 +239,17 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
     forward_us = wall_us(fwd, iters, device)
     flush = l2_flusher(device) if device.type == "cuda" else None
     torch_us = events_us(eager, iters, device, flush)
-    k_us = forward_us  # one 4096-token call is ~100 ms: its launch overhead is noise
+    by_kernel = {}
+    if device.type == "cuda":  # kernel time as for decode (L2 flushed, profiler records)
+        k_us = kernel_us(fwd, device, flush=flush, by_kernel=by_kernel)
+    else:  # the host: one 4096-token call takes seconds, its call overhead is noise
+        k_us = forward_us
     return {"phase": "prefill", "batch": 1, "context": context, "L": q_len, "q_heads": num_heads, "kv_dtype": kv_name,
             "kernel": attn.prefill_spec.kernel if attn.gpu_decode else "portable", "matrix": matrix,
             "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "ref_max_abs": float(ref.abs().max()),
             "kv_MB": c.kv_bytes / 1e6,
-            "forward_us": forward_us, "torch_us": torch_us, "kernel_us": k_us, "forward_over_kernel": forward_us / k_us,
-            "GBps": c.kv_bytes / k_us / 1e3, "x_torch": torch_us / k_us}
+            "forward_us": forward_us, "torch_us": torch_us, "kernel_us": k_us, "kernels_us": by_kernel,
+            "forward_over_kernel": forward_us / k_us, "GBps": c.kv_bytes / k_us / 1e3, "x_torch": torch_us / k_us}
 
 
 def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_lens=(1, 4), prefill=True):

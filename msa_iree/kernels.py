@@ -571,6 +571,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     mma = False
     min_ctas_per_sm = None  # workgroups per SM asked of ptxas (mma variant only; caps its registers)
     hw_fp8 = False  # e4m3fn converted by the hardware (mma variant on CUDA sm_89+ only)
+    prefetch_k = False  # the next block's K loaded while this block computes (mma variant only)
     targets = ("cuda", "gfx942")
     GROUP_SIZES = (8, 16)
 
@@ -603,11 +604,12 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
         return render_template(self.template, G=c.group_size, H=c.num_kv_heads, L=c.decode_query_len,
                                QT=_MLIR_ELEMENT[c.query_dtype], KT=_MLIR_ELEMENT[c.kv_dtype],
                                FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill,
-                               MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm, HW_FP8=self.uses_hw_fp8)
+                               MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm, HW_FP8=self.uses_hw_fp8,
+                               PREFETCH_K=self.mma and self.prefetch_k)
 
     def describe(self) -> dict:
         return {**super().describe(), "mma": self.mma, "min_ctas_per_sm": self.min_ctas_per_sm,
-                "hw_fp8": self.uses_hw_fp8}
+                "hw_fp8": self.uses_hw_fp8, "prefetch_k": self.mma and self.prefetch_k}
 
     @property
     def uses_hw_fp8(self) -> bool:
@@ -642,6 +644,15 @@ class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
     # e4m3fn K/V converted two bytes per instruction (cvt.rn.f16x2.e4m3x2) instead of ~14 integer
     # ops per word: the module is built for sm_89 (runs on Ada and Hopper, not on sm_80)
     hw_fp8 = True
+
+    @property
+    def prefetch_k(self) -> bool:
+        # The next block's K carried in registers (fp8: 16 a thread). Measured on the H200
+        # (tools/PERF.md): fp8 TP8 B=64 18.6 -> 16.5 us, TP4 L=4 B=128 93.6 -> 87.4 us, but TP4 L=1
+        # B=64 20.2 -> 21.7 us (only 4 blocks a workgroup); bf16's 32 registers pushed the kernel
+        # past its 128 (TP4 B=64 27.4 -> 32.0 us)
+        c = self.cfg
+        return c.is_fp8 and (c.group_size == 8 or c.decode_query_len > 1 or self.prefill)
 
     def __post_init__(self):
         super().__post_init__()
