@@ -571,7 +571,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     mma = False
     min_ctas_per_sm = None  # workgroups per SM asked of ptxas (mma variant only; caps its registers)
     hw_fp8 = False  # e4m3fn converted by the hardware (mma variant on CUDA sm_89+ only)
-    prefetch_k = False  # the next block's K loaded while this block computes (mma variant only)
+    async_kv = False  # K/V staged in LDS by cp.async one step ahead (mma variant only)
     targets = ("cuda", "gfx942")
     GROUP_SIZES = (8, 16)
 
@@ -605,11 +605,11 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
                                QT=_MLIR_ELEMENT[c.query_dtype], KT=_MLIR_ELEMENT[c.kv_dtype],
                                FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill,
                                MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm, HW_FP8=self.uses_hw_fp8,
-                               PREFETCH_K=self.mma and self.prefetch_k)
+                               ASYNC_KV=self.mma and self.async_kv)
 
     def describe(self) -> dict:
         return {**super().describe(), "mma": self.mma, "min_ctas_per_sm": self.min_ctas_per_sm,
-                "hw_fp8": self.uses_hw_fp8, "prefetch_k": self.mma and self.prefetch_k}
+                "hw_fp8": self.uses_hw_fp8, "async_kv": self.mma and self.async_kv}
 
     @property
     def uses_hw_fp8(self) -> bool:
@@ -646,13 +646,12 @@ class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
     hw_fp8 = True
 
     @property
-    def prefetch_k(self) -> bool:
-        # The next block's K carried in registers (fp8: 16 a thread). Measured on the H200
-        # (tools/PERF.md): fp8 TP8 B=64 18.6 -> 16.5 us, TP4 L=4 B=128 93.6 -> 87.4 us, but TP4 L=1
-        # B=64 20.2 -> 21.7 us (only 4 blocks a workgroup); bf16's 32 registers pushed the kernel
-        # past its 128 (TP4 B=64 27.4 -> 32.0 us)
-        c = self.cfg
-        return c.is_fp8 and (c.group_size == 8 or c.decode_query_len > 1 or self.prefill)
+    def async_kv(self) -> bool:
+        # Each warp stages its K page and V slice in LDS with cp.async, one step ahead (K of the
+        # next block during this one, V of this block during its QK). Measured on the H200
+        # (tools/PERF.md): fp8 TP4 B=64 20.0 -> 17.7 us, L=4 B=64 46.8 -> 38.9 us; bf16 (64 KiB of
+        # LDS a workgroup) TP4 B=64 27.4 -> 28.9 us and prefill 559 -> 650 us: fp8 only
+        return self.cfg.is_fp8
 
     def __post_init__(self):
         super().__post_init__()

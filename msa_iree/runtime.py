@@ -136,6 +136,7 @@ class KernelLibrary:
     def _load(self, spec):
         import iree.runtime as rt
 
+        self._check_arch(spec)
         entry = self.manifest["kernels"].get(spec.name)
         if entry is not None:
             vmfb = (self.build_dir / entry["file"]).read_bytes()
@@ -155,6 +156,20 @@ class KernelLibrary:
         ctx = rt.SystemContext(config=self.config)
         ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
         return ctx.modules.module
+
+    def _check_arch(self, spec):
+        """A module built for a newer CUDA architecture (the e4m3fn mma attend: sm_89) fails to
+        load on an older GPU with a driver JIT error: say which kernel needs what instead."""
+        needs = [f for f in (spec.target_flags(self.target) if hasattr(spec, "target_flags") else [])
+                 if f.startswith("--iree-cuda-target=sm_")]
+        if not needs or self.driver != "cuda" or not torch.cuda.is_available():
+            return
+        want = int(needs[-1].rsplit("sm_", 1)[1])
+        have = torch.cuda.get_device_capability()
+        if have[0] * 10 + have[1] < want:
+            raise RuntimeError(f"{spec.name}: expected a CUDA GPU of compute capability >= {want // 10}.{want % 10} "
+                               f"(the kernel converts fp8 in hardware), got {have[0]}.{have[1]}; "
+                               "use a bf16/fp16 KV cache on this GPU")
 
     @property
     def zero_copy(self) -> bool:

@@ -133,3 +133,23 @@ def test_mismatched_builds_are_refused(tmp_path):
         KernelLibrary("host", tmp_path).function(spec)
     with pytest.raises(BuildMismatchError, match="expected kernel"):
         KernelLibrary("host", tmp_path, compile_missing=False).function(K.RebaseBlockTableSpec(MsaConfig()))
+
+
+def test_an_fp8_hardware_kernel_on_an_older_gpu_is_refused_by_name(monkeypatch):
+    """The e4m3fn mma attend is built for sm_89: on a compute-capability-8.0 GPU the library must
+    say so (kernel, wanted and actual capability) instead of surfacing the driver's JIT error."""
+    import types
+
+    from msa_iree.config import MsaConfig
+    from msa_iree.kernels import SparseAttnDecodeMmaSpec
+
+    lib = types.SimpleNamespace(target="cuda", driver="cuda")
+    fp8 = SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16)
+    bf16 = SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(RuntimeError, match=r"sparse_attn_decode_mma.*>= 8\.9.*got 8\.0"):
+        KernelLibrary._check_arch(lib, fp8)
+    KernelLibrary._check_arch(lib, bf16)  # built for sm_80: loads anywhere
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    KernelLibrary._check_arch(lib, fp8)
