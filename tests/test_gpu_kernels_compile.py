@@ -92,3 +92,32 @@ def test_the_attend_call_allocates_nothing(spec):
     assert "stream.cmd.dispatch" in main
     for op in ("stream.resource.alloca", "stream.resource.alloc ", "stream.cmd.copy", "stream.cmd.fill"):
         assert op not in main, op
+
+
+def _split_ptx(tmp_path, spec):
+    """The PTX text of the spec's @split kernel (from its `.entry split` to the next entry)."""
+    C.compiled_module(spec, "cuda", isa_dir=tmp_path)
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    start = ptx.index(".entry split")
+    end = ptx.find(".entry", start + 1)
+    return ptx, ptx[start:end if end > 0 else None]
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+def test_mma_split_ptx_keeps_its_fast_paths(tmp_path, kv):
+    """What the H200 numbers in tools/PERF.md rest on, checked in the generated PTX so that a
+    template or IREE change cannot drop it silently: exp as one ex2.approx (not the polynomial
+    IREE's MathTransform expands math.exp into for CUDA: its ln 2 high part 0xBF318000), 48
+    mma.sync (QK 16 + PV 16, PV twice: tail block masked, full blocks not); for e4m3fn the sm_89
+    build with the hardware conversion and the cp.async staging of K/V."""
+    spec = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv), 16)
+    ptx, split = _split_ptx(tmp_path, spec)
+    assert split.count("ex2.approx") >= 10  # 8 probabilities + 2 rescales a block
+    assert "0fBF318000" not in split
+    assert split.count("mma.sync") == 48
+    if kv == "bf16":
+        assert ".target sm_80" in ptx and "cp.async" not in split
+    else:
+        assert ".target sm_89" in ptx
+        assert split.count("cvt.rn.f16x2.e4m3x2") == 96  # 2 per word: K 16 words, V 16 words twice
+        assert split.count("cp.async.ca.shared.global") == 3 * 4 + 4  # K at 3 places, 4 copies; V 4
