@@ -21,6 +21,7 @@ P pages, x = 16 bytes / element.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -526,16 +527,21 @@ class InsertKvSpec(KernelSpec):
 
 
 
-def render_template(name: str, **params) -> str:
-    """Render one Jinja MLIR template of kernels_mlir/ (undefined parameters are errors)."""
+@functools.cache
+def _template_env():
     import jinja2
 
+    # one environment: it keeps the parsed templates (and reloads one whose file changed)
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(KERNELS_MLIR), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True)
+
+
+def render_template(name: str, **params) -> str:
+    """Render one Jinja MLIR template of kernels_mlir/ (undefined parameters are errors)."""
     if not (KERNELS_MLIR / name).exists():
         raise FileNotFoundError(f"{KERNELS_MLIR / name}: the MLIR templates ship with the source tree; "
                                 "install msa-iree from a checkout (pip install -e .)")
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(KERNELS_MLIR), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True)
-    return env.get_template(name).render(**params)
+    return _template_env().get_template(name).render(**params)
 
 
 _MLIR_ELEMENT = {"bf16": "bf16", "fp16": "f16", "fp8_e4m3fn": "i8", "fp8_e4m3fnuz": "i8"}

@@ -1,0 +1,76 @@
+"""Do the GPU-level kernels of this checkout render the same MLIR as those of another revision?
+
+For refactors of kernels_mlir/ (and of the spec classes that render it): a kernel that renders
+the same MLIR, up to comments and blank lines, compiles to the same code, so whatever was measured
+or tested on a GPU for that revision still holds. Renders every GPU attend variant (FMA and mma,
+decode and prefill, each KV dtype and query dtype, 8/16 heads per KV head, 1-2 KV heads, L 1-4,
+both cache layouts) here and in a temporary git worktree of `--against`, and lists those that differ.
+
+    python tools/render_diff.py --against a2d75d0      # exit 0: all the same; 1: some differ
+"""
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+RENDER = r"""
+import json, sys
+from msa_iree import kernels as K
+from msa_iree.config import MsaConfig
+out = {}
+for cls in (K.SparseAttnDecodeGpuSpec, K.SparseAttnPrefillGpuSpec, K.SparseAttnDecodeMmaSpec, K.SparseAttnPrefillMmaSpec):
+    for kv, qd in (("bf16", "bf16"), ("fp16", "fp16"), ("fp8_e4m3fn", "bf16"), ("fp8_e4m3fnuz", "bf16"),
+                   ("fp8_e4m3fnuz", "fp16")):
+        for h, g in ((1, 16), (1, 8), (2, 16)):
+            for L in (1, 2, 3, 4):
+                for stride in (16, 8):
+                    cfg = MsaConfig(num_heads=h * g, num_kv_heads=h, kv_dtype=kv, query_dtype=qd, decode_query_len=L)
+                    try:
+                        spec = cls(cfg, stride)
+                    except ValueError:
+                        continue
+                    text = spec.render()
+                    out[f"{spec.name} (L={L})"] = [l for l in text.splitlines()
+                                                   if l.strip() and not l.strip().startswith("//")]
+json.dump(out, sys.stdout)
+"""
+
+
+def render(tree: pathlib.Path) -> dict:
+    """{variant: its MLIR lines without comments and blank lines}, rendered by the package in `tree`."""
+    proc = subprocess.run([sys.executable, "-c", RENDER], cwd=tree, env={"PYTHONPATH": str(tree), "PATH": ""},
+                          capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"rendering in {tree} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", required=True, help="a git revision (commit, tag, branch)")
+    args = ap.parse_args()
+    here = render(ROOT)
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = pathlib.Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), args.against], check=True)
+        try:
+            there = render(tree)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=True)
+    differ = sorted(k for k in here.keys() & there.keys() if here[k] != there[k])
+    only = sorted(here.keys() ^ there.keys())
+    print(f"{len(here.keys() & there.keys())} variants in both; {len(differ)} render differently; "
+          f"{len(only)} exist on one side only")
+    for name in differ:
+        print("  differs:", name)
+    for name in only:
+        print("  one side only:", name)
+    sys.exit(1 if differ or only else 0)
+
+
+if __name__ == "__main__":
+    main()
