@@ -72,14 +72,8 @@ def _tool_versions() -> dict:
     return {"iree": iree_version(), "torch": metadata.version("torch"), "turbine": metadata.version("iree-turbine")}
 
 
-def spec_flags(spec, target: str) -> list[str]:
-    """Flags a kernel adds for `target` (after the target's own: a later --iree-cuda-target wins),
-    e.g. the e4m3fn mma attend's sm_89, where the hardware converts fp8."""
-    return list(spec.target_flags(target)) if hasattr(spec, "target_flags") else []
-
-
 def content_key(spec, target: str, extra_flags=()) -> str:
-    flags = TARGETS[target] + spec_flags(spec, target) + list(extra_flags)
+    flags = TARGETS[target] + spec.target_flags(target) + list(extra_flags)
     payload = json.dumps({"spec": spec.describe(), "name": spec.name, "flags": flags,
                           **_tool_versions(), "sources": _source_digest()},
                          sort_keys=True, default=str)
@@ -145,7 +139,7 @@ def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=No
 
         shutil.rmtree(isa_dir, ignore_errors=True)
         dump = [f"--iree-hal-dump-executable-files-to={isa_dir}"]
-    vmfb = compile_mlir(mlir, target, spec_flags(spec, target) + list(extra_flags) + dump)
+    vmfb = compile_mlir(mlir, target, spec.target_flags(target) + list(extra_flags) + dump)
     _atomic_write(cached, vmfb)
     return vmfb, key, False
 

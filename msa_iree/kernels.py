@@ -334,6 +334,14 @@ class KernelSpec:
         return {"kernel": self.kernel, "variant": self.variant, "config": dataclasses.asdict(self.cfg),
                 "block_page_stride": self.stride}
 
+    # the oldest CUDA compute capability (x10, e.g. 89) the module runs on, where it is newer than
+    # the cuda target's sm_80; compile builds for it, the runtime refuses older GPUs by name
+    cuda_arch = None
+
+    def target_flags(self, target: str) -> list[str]:
+        """Compiler flags this kernel adds after `target`'s own (a later --iree-cuda-target wins)."""
+        return [f"--iree-cuda-target=sm_{self.cuda_arch}"] if target == "cuda" and self.cuda_arch else []
+
     # example tensors (sizes >= 2 so export keeps the dims symbolic)
     def _q(self, t=3):
         return torch.randn(t, self.cfg.num_heads, HEAD_DIM).to(self.cfg.query_torch_dtype)
@@ -621,9 +629,10 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     def uses_hw_fp8(self) -> bool:
         return self.mma and self.hw_fp8 and self.cfg.kv_dtype == "fp8_e4m3fn"
 
-    def target_flags(self, target: str) -> list[str]:
+    @property
+    def cuda_arch(self):
         # cvt.rn.f16x2.e4m3x2 exists from sm_89 (Ada, Hopper) on: such a module does not load on sm_80
-        return ["--iree-cuda-target=sm_89"] if target == "cuda" and self.uses_hw_fp8 else []
+        return 89 if self.uses_hw_fp8 else None
 
 
 class SparseAttnPrefillGpuSpec(SparseAttnDecodeGpuSpec):

@@ -160,11 +160,9 @@ class KernelLibrary:
     def _check_arch(self, spec):
         """A module built for a newer CUDA architecture (the e4m3fn mma attend: sm_89) fails to
         load on an older GPU with a driver JIT error: say which kernel needs what instead."""
-        needs = [f for f in (spec.target_flags(self.target) if hasattr(spec, "target_flags") else [])
-                 if f.startswith("--iree-cuda-target=sm_")]
-        if not needs or self.driver != "cuda" or not torch.cuda.is_available():
+        want = spec.cuda_arch
+        if want is None or self.driver != "cuda" or not torch.cuda.is_available():
             return
-        want = int(needs[-1].rsplit("sm_", 1)[1])
         have = torch.cuda.get_device_capability()
         if have[0] * 10 + have[1] < want:
             raise RuntimeError(f"{spec.name}: expected a CUDA GPU of compute capability >= {want // 10}.{want % 10} "
