@@ -109,9 +109,12 @@ def test_mma_split_ptx_keeps_its_fast_paths(tmp_path, kv):
     template or IREE change cannot drop it silently: exp as one ex2.approx (not the polynomial
     IREE's MathTransform expands math.exp into for CUDA: its ln 2 high part 0xBF318000), 48
     mma.sync (QK 16 + PV 16, PV twice: tail block masked, full blocks not); for e4m3fn the sm_89
-    build with the hardware conversion and the cp.async staging of K/V."""
+    build with the hardware conversion and the cp.async staging of K/V. PV's probability
+    fragments come back from LDS 16 bytes a lane (an extra LDS allocation once moved them off
+    16-byte alignment: 4-byte loads, 1.1-1.3x slower on the H200)."""
     spec = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv), 16)
     ptx, split = _split_ptx(tmp_path, spec)
+    assert split.count("ld.shared.v4.b32") >= 16  # 8 fragments a block, masked and unmasked PV
     assert split.count("ex2.approx") >= 10  # 8 probabilities + 2 rescales a block
     assert "0fBF318000" not in split
     assert split.count("mma.sync") == 48
