@@ -586,7 +586,6 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     min_ctas_per_sm = None  # workgroups per SM asked of ptxas (mma variant only; caps its registers)
     hw_fp8 = False  # e4m3fn converted by the hardware (mma variant on CUDA sm_89+ only)
     async_kv = False  # K/V staged in LDS by cp.async one step ahead (mma variant only)
-    merge_grid0 = False  # EXPERIMENT: with one split, @merge launched with no workgroups (mma only)
     targets = ("cuda", "gfx942")
     GROUP_SIZES = (8, 16)
 
@@ -620,7 +619,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
                                QT=_MLIR_ELEMENT[c.query_dtype], KT=_MLIR_ELEMENT[c.kv_dtype],
                                FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill,
                                MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm, HW_FP8=self.uses_hw_fp8,
-                               ASYNC_KV=self.mma and self.async_kv, MERGE_GRID0=self.merge_grid0)
+                               ASYNC_KV=self.mma and self.async_kv)
 
     def describe(self) -> dict:
         return {**super().describe(), "mma": self.mma, "min_ctas_per_sm": self.min_ctas_per_sm,

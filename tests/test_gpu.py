@@ -287,7 +287,7 @@ def test_insert_kv_gpu_is_in_place_and_exact(cuda_kernels, kv, kd, layout, h, sm
 def test_one_workspace_serves_calls_of_every_split_count(cuda_kernels, matrix):
     """One output-poisoned call after another on one workspace, with row counts that give 16, 4,
     2, 1 and again 16 splits (with one split the mma attend writes the output itself and
-    launches @merge with no workgroups): every call matches the reference."""
+    runs @merge as one workgroup that does nothing): every call matches the reference."""
     from msa_iree.kernels import SparseAttnDecodeMmaSpec
 
     spec = (SparseAttnDecodeMmaSpec if matrix == "mma" else SparseAttnDecodeGpuSpec)(MsaConfig(), 16)
