@@ -534,7 +534,6 @@ class InsertKvSpec(KernelSpec):
 # ---- hand-written GPU-level kernels (kernels_mlir/, issue 5) ----------------------------------
 
 
-
 @functools.cache
 def _template_env():
     import jinja2

@@ -2,13 +2,12 @@
 the same template text the mma kernel includes, against torch's own fp8 decode: every byte value
 in every position of the word, plus seeded random words. Four bytes decode into two f16 pairs,
 bytes (0, 2) and (1, 3), each value times 2^-8 (e4m3fn) or 2^-7 (e4m3fnuz); NaN codes to NaN."""
-import jinja2
 import numpy as np
 import pytest
 import torch
 
 from msa_iree.compile import compile_mlir
-from msa_iree.kernels import KERNELS_MLIR
+from msa_iree.kernels import _template_env
 
 HARNESS = """
 {%- from "fp8_word_decode.j2" import decode_word_constants, decode_word_f16 with context %}
@@ -35,10 +34,9 @@ FORMATS = {"fn": (torch.float8_e4m3fn, 2.0 ** 8), "fnuz": (torch.float8_e4m3fnuz
 def decode_module():
     import iree.runtime as rt
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(KERNELS_MLIR), undefined=jinja2.StrictUndefined)
     modules = {}
     for fmt in FORMATS:
-        vmfb = compile_mlir(env.from_string(HARNESS).render(FP8=fmt), "host")
+        vmfb = compile_mlir(_template_env().from_string(HARNESS).render(FP8=fmt), "host")
         ctx = rt.SystemContext(config=rt.Config("local-task"))
         ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
         modules[fmt] = ctx.modules.module["main"]

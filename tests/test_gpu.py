@@ -59,6 +59,11 @@ def _module_operands(c, *positions):
             torch.tensor([c.scale]), ks, vs]
 
 
+def _poisoned_workspace(spec, num_tokens):
+    """A workspace for `num_tokens` rows filled with NaN: its content must not matter."""
+    return torch.full((spec.workspace_floats(num_tokens),), float("nan"), device=torch.device("cuda"))
+
+
 def _variants(prefill):
     """(case, spec class) for every GPU decode case: the FMA kernel (what gfx942 builds, proven
     here) and, where it applies, the tensor-core (mma) kernel CUDA serves with."""
@@ -92,7 +97,7 @@ def test_decode_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, str
     dev = torch.device("cuda")
     args = _module_operands(c, c.seq_lens)
     out = torch.full(c.q.shape, float("nan"), dtype=DTYPES[qd], device=dev)  # poisoned: every element must be written
-    ws = torch.full((spec.workspace_floats(c.q.shape[0]),), float("nan"), device=dev)  # content must not matter
+    ws = _poisoned_workspace(spec, c.q.shape[0])
     got, _ = cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, ws])
     assert got is out
 
@@ -118,7 +123,7 @@ def test_prefill_gpu_kernel_matches_reference(cuda_kernels, hq, h, kv, qd, L, st
     dev = torch.device("cuda")
     args = _module_operands(c, c.query_req_id, c.query_abs_pos)
     out = torch.full(c.q.shape, float("nan"), dtype=DTYPES[qd], device=dev)
-    ws = torch.full((spec.workspace_floats(c.q.shape[0]),), float("nan"), device=dev)
+    ws = _poisoned_workspace(spec, c.q.shape[0])
     cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, ws])
     ref = torch.full_like(c.q, float("nan"))
     R.sparse_attn_prefill(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.query_req_id, c.query_abs_pos, h,
@@ -292,7 +297,7 @@ def test_one_workspace_serves_calls_of_every_split_count(cuda_kernels, matrix):
 
     spec = (SparseAttnDecodeMmaSpec if matrix == "mma" else SparseAttnDecodeGpuSpec)(MsaConfig(), 16)
     dev = torch.device("cuda")
-    ws = torch.full((spec.workspace_floats(300),), float("nan"), device=dev)
+    ws = _poisoned_workspace(spec, 300)
     gen = torch.Generator().manual_seed(5)
     for batch in (3, 40, 100, 300, 5):
         c = testing.decode_case(torch.randint(1, 1200, (batch,), generator=gen).tolist(), seed=batch)
