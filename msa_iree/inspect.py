@@ -32,8 +32,25 @@ def _body(text: str, name: str) -> str:
     return m.group(1) if m else ""
 
 
+def _workgroup_sizes(text: str) -> dict:
+    """Kernel name -> its workgroup size, from the amdgpu metadata (.max_flat_workgroup_size)."""
+    return {m.group(2): int(m.group(1)) for m in
+            re.finditer(r"\.max_flat_workgroup_size:\s+(\d+)\s+\.name:\s+(\S+)", text)}
+
+
+def waves_per_simd(total_regs: int, lds_bytes: int, workgroup_size: int) -> int:
+    """Waves a SIMD can hold: by registers (512 a lane, 8 at most) and by LDS (64 KiB a CU of 4
+    SIMDs, shared by whole workgroups of workgroup_size / 64 waves)."""
+    by_regs = min(8, 512 // max(total_regs, 1))
+    if not lds_bytes:
+        return by_regs
+    waves_per_wg = -(-workgroup_size // 64)
+    return min(by_regs, (65536 // lds_bytes) * waves_per_wg // 4)
+
+
 def isa_stats(isa_text: str) -> list[dict]:
     rows = []
+    wg_sizes = _workgroup_sizes(isa_text)
     for name, d in _kernels(isa_text):
         body = _body(isa_text, name)
         ops = Counter()
@@ -46,10 +63,11 @@ def isa_stats(isa_text: str) -> list[dict]:
         agpr_off = int(d.get("accum_offset", vgpr) or vgpr)
         arch_vgpr = min(vgpr, agpr_off) if agpr_off else vgpr
         total = -(-vgpr // 8) * 8 if vgpr else 8
-        waves = min(8, 512 // max(total, 1))
+        lds = int(d.get("group_segment_fixed_size", 0))
+        waves = waves_per_simd(total, lds, wg_sizes.get(name, 256))
         rows.append({"function": name, "vgpr": arch_vgpr, "agpr": max(0, vgpr - agpr_off),
                      "sgpr": int(d.get("next_free_sgpr", 0)), "scratch_bytes": int(d.get("private_segment_fixed_size", 0)),
-                     "lds_bytes": int(d.get("group_segment_fixed_size", 0)), "waves_per_simd": waves, **{
+                     "lds_bytes": lds, "waves_per_simd": waves, **{
                          k: ops.get(k, 0) for k in INSTRUCTIONS}})
     return rows
 

@@ -585,6 +585,9 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     min_ctas_per_sm = None  # workgroups per SM asked of ptxas (mma variant only; caps its registers)
     hw_fp8 = False  # e4m3fn converted by the hardware (mma variant on CUDA sm_89+ only)
     async_kv = False  # K/V staged in LDS by cp.async one step ahead (mma variant only)
+    mfma = False  # both products on gfx942's matrix cores (kernels_mlir/mfma_split.j2)
+    emulate_mfma = False  # ... each MFMA computed through LDS instead, so that CUDA can run and test it
+    waves_per_eu = None  # waves per SIMD asked of the gfx942 register allocator (mfma variant only)
     targets = ("cuda", "gfx942")
     GROUP_SIZES = (8, 16)
 
@@ -618,11 +621,13 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
                                QT=_MLIR_ELEMENT[c.query_dtype], KT=_MLIR_ELEMENT[c.kv_dtype],
                                FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill,
                                MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm, HW_FP8=self.uses_hw_fp8,
-                               ASYNC_KV=self.mma and self.async_kv)
+                               ASYNC_KV=self.mma and self.async_kv, MFMA=self.mfma, EMULATE=self.emulate_mfma,
+                               WAVES_PER_EU=self.waves_per_eu)
 
     def describe(self) -> dict:
         return {**super().describe(), "mma": self.mma, "min_ctas_per_sm": self.min_ctas_per_sm,
-                "hw_fp8": self.uses_hw_fp8, "async_kv": self.mma and self.async_kv}
+                "hw_fp8": self.uses_hw_fp8, "async_kv": self.mma and self.async_kv, "mfma": self.mfma,
+                "emulate_mfma": self.emulate_mfma, "waves_per_eu": self.waves_per_eu}
 
     @property
     def uses_hw_fp8(self) -> bool:
@@ -646,8 +651,8 @@ class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
     """The GPU attend with both products on NVIDIA tensor cores (mma.sync m16n8k16 through
     nvgpu.mma.sync; the heads of a KV head are M). CUDA only; 8 or 16 heads per KV head; the cache
     holds the query's dtype, or fp8 (then both products run in f16: fp8 values and bf16 queries
-    convert exactly, queries clamped to +-65504). The gfx942 build keeps the FMA variant: an
-    MFMA twin of these fragments is not written yet."""
+    convert exactly, queries clamped to +-65504). gfx942's matrix-core twin is
+    SparseAttnDecodeMfmaSpec (a different structure: one wave per page pair, wave64 fragments)."""
 
     kernel = "sparse_attn_decode_mma"
     targets = ("cuda",)  # GROUP_SIZES as the FMA variant's; 8 heads: rows 8..15 of M are zero padding
@@ -685,6 +690,57 @@ class SparseAttnPrefillMmaSpec(SparseAttnDecodeMmaSpec):
     prefill = True
 
 
+class SparseAttnDecodeMfmaSpec(SparseAttnDecodeGpuSpec):
+    """The GPU attend with both products on gfx942's matrix cores (MFMA 16x16x16, bf16 or f16; the
+    lane layout and the wave-per-page structure are described in kernels_mlir/mfma_split.j2).
+    16 heads per KV head; the cache holds the query's dtype (fp8 caches keep the FMA variant).
+    NOT RUN: no AMD GPU was available. Its numerics are proven by SparseAttnDecodeMfmaEmulatedSpec,
+    the same text with each MFMA emulated, on CUDA (tests/test_gpu.py)."""
+
+    kernel = "sparse_attn_decode_mfma"
+    targets = ("gfx942",)
+    GROUP_SIZES = (16,)
+    mfma = True
+    # 4 waves per SIMD (<= 128 VGPRs): left alone, LLVM hoists all 16 K/V loads of a block and
+    # takes 155 VGPRs (3 waves)
+    waves_per_eu = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.cfg.kv_dtype != self.cfg.query_dtype:
+            raise ValueError(f"kv_dtype: expected the query dtype {self.cfg.query_dtype} for the MFMA attend "
+                             f"(fp8 caches use the FMA variant), got {self.cfg.kv_dtype}")
+
+    @classmethod
+    def supports(cls, cfg) -> bool:
+        return super().supports(cfg) and cfg.kv_dtype == cfg.query_dtype
+
+
+class SparseAttnPrefillMfmaSpec(SparseAttnDecodeMfmaSpec):
+    """The MFMA attend for (chunked) prefill rows (operands as SparseAttnPrefillSpec's). NOT RUN."""
+
+    kernel = "sparse_attn_prefill_mfma"
+    prefill = True
+
+
+class SparseAttnDecodeMfmaEmulatedSpec(SparseAttnDecodeMfmaSpec):
+    """SparseAttnDecodeMfmaSpec's text for CUDA with every MFMA computed by the 64 threads of the
+    emulated wave through LDS (same lane layout) and the wave's cross-warp shuffle through LDS: it
+    runs the gfx942 kernel's data movement, tile mapping and softmax where a GPU exists. Slow (two
+    barriers per MFMA): for tests, never for serving."""
+
+    kernel = "sparse_attn_decode_mfma_emulated"
+    targets = ("cuda",)
+    emulate_mfma = True
+
+
+class SparseAttnPrefillMfmaEmulatedSpec(SparseAttnDecodeMfmaEmulatedSpec):
+    """The emulated MFMA attend for prefill rows (tests only)."""
+
+    kernel = "sparse_attn_prefill_mfma_emulated"
+    prefill = True
+
+
 ATTEND_SPECS = (SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 TABLE_SPECS = (BuildDecodeTableSpec, BuildPrefillTableSpec)
 REBASE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec)
@@ -714,7 +770,8 @@ class InsertKvGpuSpec(_TemplateSpec):
 
 
 GPU_SPECS = (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec,
-             InsertKvGpuSpec)
+             SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaSpec, SparseAttnDecodeMfmaEmulatedSpec,
+             SparseAttnPrefillMfmaEmulatedSpec, InsertKvGpuSpec)
 ALL_KERNELS = {cls.kernel: cls for cls in (*REBASE_SPECS, *TABLE_SPECS, *ATTEND_SPECS, InsertKvSpec, *GPU_SPECS)}
 
 
@@ -724,6 +781,7 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
     also the hand-written decode attend, where the head grouping allows it."""
     gpu = target in SparseAttnDecodeGpuSpec.targets and SparseAttnDecodeGpuSpec.supports(cfg)
     mma = target in SparseAttnDecodeMmaSpec.targets and SparseAttnDecodeMmaSpec.supports(cfg)
+    mfma = target in SparseAttnDecodeMfmaSpec.targets and SparseAttnDecodeMfmaSpec.supports(cfg)
     specs = [RebaseBlockTableSpec(cfg), RebaseSlotsSpec(cfg)]
     for stride in strides:
         for L in decode_query_lens:
@@ -733,10 +791,14 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
                 specs.append(SparseAttnDecodeGpuSpec(cfg.replace(decode_query_len=L), stride))
             if mma:
                 specs.append(SparseAttnDecodeMmaSpec(cfg.replace(decode_query_len=L), stride))
+            if mfma:
+                specs.append(SparseAttnDecodeMfmaSpec(cfg.replace(decode_query_len=L), stride))
         if gpu:
             specs.append(SparseAttnPrefillGpuSpec(cfg, stride))
         if mma:
             specs.append(SparseAttnPrefillMmaSpec(cfg, stride))
+        if mfma:
+            specs.append(SparseAttnPrefillMfmaSpec(cfg, stride))
         if target in InsertKvGpuSpec.targets:
             specs.append(InsertKvGpuSpec(cfg, stride))
         specs += [cls(cfg, stride) for cls in (BuildPrefillTableSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec,

@@ -24,7 +24,8 @@ from . import checks
 from .compile import DRIVERS, check_target, runtime_version
 from .config import DTYPES, MsaConfig, dtype_name
 from .kernels import (InsertKvGpuSpec, InsertKvSpec, KernelSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec, SparseAttnDecodeSpec,
-                      SparseAttnPrefillGpuSpec, SparseAttnPrefillMmaSpec,
+                      SparseAttnDecodeMfmaEmulatedSpec, SparseAttnDecodeMfmaSpec, SparseAttnPrefillGpuSpec,
+                      SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPrefillMfmaSpec, SparseAttnPrefillMmaSpec,
                       SparseAttnPrefillSpec, SparsePagedAttendSpec, storage_dtype)
 from .layout import BLOCK_SIZE, PAGES_PER_BLOCK, block_page_stride, sides_are_packed
 from .reference import query_token_positions
@@ -344,6 +345,37 @@ class _LayerState:
     views: tuple                # the same as IREE views (GPU drivers) or tensors (host)
 
 
+# (target, matrix variant) -> the GPU attend's (decode, prefill) kernels. "mfma" on cuda is the
+# gfx942 kernel with its MFMAs emulated: it proves that kernel's numerics on an NVIDIA GPU (slow).
+_GPU_ATTEND = {
+    ("cuda", "fma"): (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec),
+    ("gfx942", "fma"): (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec),
+    ("cuda", "mma"): (SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec),
+    ("gfx942", "mfma"): (SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaSpec),
+    ("cuda", "mfma"): (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnPrefillMfmaEmulatedSpec),
+}
+_NATIVE_MATRIX = {"cuda": "mma", "gfx942": "mfma"}
+
+
+def _gpu_matrix(target, cfg, gpu_matrix):
+    """The GPU attend variant to use: `gpu_matrix` checked against the target and config; "auto"
+    is the target's matrix-core kernel where it supports cfg (mma on cuda, mfma on gfx942), else fma."""
+    if gpu_matrix not in ("auto", "fma", "mma", "mfma"):
+        raise ValueError(f"gpu_matrix: expected 'auto', 'fma', 'mma' or 'mfma', got {gpu_matrix!r}")
+    if gpu_matrix == "auto":
+        native = _NATIVE_MATRIX.get(target)
+        return native if native and _GPU_ATTEND[target, native][0].supports(cfg) else "fma"
+    if gpu_matrix == "fma":
+        return "fma"
+    specs = _GPU_ATTEND.get((target, gpu_matrix))
+    if specs is None or not specs[0].supports(cfg):
+        need = ("a cuda target, 8 or 16 heads per KV head and an fp8 or query-dtype cache" if gpu_matrix == "mma" else
+                "a gfx942 (or, emulated for tests, cuda) target, 16 heads per KV head and a query-dtype cache")
+        raise ValueError(f"gpu_matrix={gpu_matrix!r}: expected {need}, got target {target!r}, {cfg.group_size} "
+                         f"heads per KV head, a {cfg.kv_dtype} cache with {cfg.query_dtype} queries")
+    return gpu_matrix
+
+
 class SparseAttention:
     """MiniMax-M3 sparse attend over SHUFFLE page-16 caches, backed by compiled IREE modules."""
 
@@ -362,20 +394,13 @@ class SparseAttention:
         self._workspace = None  # (torch f32 tensor, its IREE view): the GPU attend's split partials
         self._specs = {}  # (kernel class, decode L, stride) -> spec: built once, not per call
         self.validate_emitted_tables = validate_emitted_tables
-        # the hand-written GPU attend (decode and prefill) where the target and head grouping allow
-        # it: on tensor cores (mma) where available ("auto"), else with FMAs (what gfx942 builds)
-        if gpu_matrix not in ("auto", "fma", "mma"):
-            raise ValueError(f"gpu_matrix: expected 'auto', 'fma' or 'mma', got {gpu_matrix!r}")
+        # the hand-written GPU attend (decode and prefill) where the target and head grouping allow it
         self.gpu_decode = (self.kernels.target in SparseAttnDecodeGpuSpec.targets
                            and SparseAttnDecodeGpuSpec.supports(self.cfg))
-        mma = self.kernels.target in SparseAttnDecodeMmaSpec.targets and SparseAttnDecodeMmaSpec.supports(self.cfg)
-        if gpu_matrix == "mma" and not mma:
-            raise ValueError(f"gpu_matrix='mma': expected a cuda target, 8 or 16 heads per KV head and an fp8 or "
-                             f"{self.cfg.query_dtype} cache, got target {self.kernels.target!r}, {self.cfg.group_size} "
-                             f"heads per KV head, {self.cfg.kv_dtype}")
-        self.use_mma = mma and gpu_matrix != "fma"
-        self.decode_spec = SparseAttnDecodeMmaSpec if self.use_mma else SparseAttnDecodeGpuSpec
-        self.prefill_spec = SparseAttnPrefillMmaSpec if self.use_mma else SparseAttnPrefillGpuSpec
+        self.gpu_matrix = _gpu_matrix(self.kernels.target, self.cfg, gpu_matrix)
+        self.use_mma = self.gpu_matrix == "mma"
+        self.decode_spec, self.prefill_spec = _GPU_ATTEND[self.kernels.target, self.gpu_matrix] \
+            if self.gpu_decode else (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec)
 
     # the folded page views the modules read: [pages * H, ...] (id = page * H + head)
     @staticmethod

@@ -162,8 +162,9 @@ GPU_INSERT_CASES = (
 def gpu_test_specs():
     """Every compiled kernel tests/test_gpu.py calls, for `cuda`."""
     from .config import MsaConfig
-    from .kernels import (InsertKvGpuSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec,
-                          SparseAttnPrefillGpuSpec, SparseAttnPrefillMmaSpec)
+    from .kernels import (InsertKvGpuSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec,
+                          SparseAttnDecodeMfmaEmulatedSpec as Mfma, SparseAttnDecodeMmaSpec, SparseAttnPrefillGpuSpec,
+                          SparseAttnPrefillMfmaEmulatedSpec as MfmaPrefill, SparseAttnPrefillMmaSpec)
 
     specs = [RebaseBlockTableSpec(MsaConfig())]
     for hq, h, kv, qd, L, stride, _ in GPU_DECODE_CASES:
@@ -171,15 +172,20 @@ def gpu_test_specs():
         specs += [SparseAttnDecodeGpuSpec(cfg, stride), SparseAttnPrefillGpuSpec(cfg.replace(decode_query_len=1), stride)]
         if SparseAttnDecodeMmaSpec.supports(cfg):
             specs += [SparseAttnDecodeMmaSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg.replace(decode_query_len=1), stride)]
+        if Mfma.supports(cfg):
+            specs += [Mfma(cfg, stride), MfmaPrefill(cfg.replace(decode_query_len=1), stride)]
     for kv, qd, layout, h, _ in GPU_SERVING_CASES:
         stride = LAYOUT_STRIDES[layout]
         cfg = MsaConfig(num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
         specs += [SparseAttnPrefillGpuSpec(cfg, stride), InsertKvGpuSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg, stride)]
         specs += [cls(cfg.replace(decode_query_len=L), stride) for L in (1, 4)
                   for cls in (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec)]
+        if Mfma.supports(cfg):
+            specs += [MfmaPrefill(cfg, stride)] + [Mfma(cfg.replace(decode_query_len=L), stride) for L in (1, 4)]
     for kv, qd, layout, h in GPU_INSERT_CASES:
         cfg = MsaConfig(num_heads=8 * h, num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
         specs.append(InsertKvGpuSpec(cfg, LAYOUT_STRIDES[layout]))
     for kv in ("fp8_e4m3fn", "fp8_e4m3fnuz"):  # the NaN-code tests: decode L=1, interleaved
         specs += [cls(MsaConfig(kv_dtype=kv), 16) for cls in (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec)]
+    specs += [cls(MsaConfig(), 16) for cls in (SparseAttnDecodeMmaSpec, Mfma)]  # workspace, NaN-tail tests (bf16)
     return list({s.name: s for s in specs}.values())

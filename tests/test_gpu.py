@@ -65,19 +65,21 @@ def _poisoned_workspace(spec, num_tokens):
 
 
 def _variants(prefill):
-    """(case, spec class) for every GPU decode case: the FMA kernel (what gfx942 builds, proven
-    here) and, where it applies, the tensor-core (mma) kernel CUDA serves with."""
-    from msa_iree.kernels import (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillGpuSpec,
-                                  SparseAttnPrefillMmaSpec)
+    """(case, spec class) for every GPU decode case: the FMA kernel (what gfx942 builds for fp8
+    caches and 8 heads, proven here), and where they apply the tensor-core (mma) kernel CUDA serves
+    with and gfx942's MFMA kernel with its MFMAs emulated (its numerics, proven here)."""
+    from msa_iree import kernels as K
 
-    fma, mma = (SparseAttnPrefillGpuSpec, SparseAttnPrefillMmaSpec) if prefill else \
-        (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec)
+    variants = {"fma": (K.SparseAttnDecodeGpuSpec, K.SparseAttnPrefillGpuSpec),
+                "mma": (K.SparseAttnDecodeMmaSpec, K.SparseAttnPrefillMmaSpec),
+                "mfma": (K.SparseAttnDecodeMfmaEmulatedSpec, K.SparseAttnPrefillMfmaEmulatedSpec)}
     out = []
     for c in testing.GPU_DECODE_CASES:
         cfg = MsaConfig(num_heads=c[0], num_kv_heads=c[1], kv_dtype=c[2], query_dtype=c[3])
-        out.append(pytest.param(*c, fma, id=f"fma-h{c[0]}kv{c[1]}-{c[2]}-L{c[4]}-s{c[5]}-{c[6]}"))
-        if mma.supports(cfg):
-            out.append(pytest.param(*c, mma, id=f"mma-h{c[0]}kv{c[1]}-{c[2]}-L{c[4]}-s{c[5]}-{c[6]}"))
+        for name, (decode, prefill_cls) in variants.items():
+            if decode.supports(cfg):
+                out.append(pytest.param(*c, prefill_cls if prefill else decode,
+                                        id=f"{name}-h{c[0]}kv{c[1]}-{c[2]}-L{c[4]}-s{c[5]}-{c[6]}"))
     return out
 
 
@@ -228,13 +230,16 @@ def test_results_come_back_on_the_gpu(cuda_kernels):
     assert torch.equal(got, R.rebase_block_table_to_page16(bt))
 
 
-@pytest.mark.parametrize("kv, qd, layout, h, smode", testing.GPU_SERVING_CASES)
-@pytest.mark.parametrize("matrix", ["fma", "mma"])
+# the gfx942 MFMA kernel (emulated here) takes caches of the query's dtype only
+SERVING_CASES = [(*c, m) for c in testing.GPU_SERVING_CASES for m in ("fma", "mma", "mfma") if m != "mfma" or c[0] == c[1]]
+
+
+@pytest.mark.parametrize("kv, qd, layout, h, smode, matrix", SERVING_CASES)
 def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode, matrix):
     from serving import Server
 
     s = Server(cuda_kernels, DTYPES[kv], DTYPES[qd], layout, h, smode, seed=11, device="cuda", gpu_matrix=matrix)
-    assert s.attn.gpu_decode and s.attn.use_mma == (matrix == "mma")
+    assert s.attn.gpu_decode and s.attn.gpu_matrix == matrix
     s.step([], [("a", 200), ("b", 130)], 1)
     s.step(["b", None], [("a", 100), ("c", 129)], 1)
     s.step(["a", "b", "c", None], [], 4)
@@ -288,14 +293,19 @@ def test_insert_kv_gpu_is_in_place_and_exact(cuda_kernels, kv, kd, layout, h, sm
     assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at {bad[:5].tolist()}: got {got[bad[:5]].tolist()} want {want[bad[:5]].tolist()}"
 
 
-@pytest.mark.parametrize("matrix", ["fma", "mma"])
+def _bf16_decode_spec(matrix):
+    from msa_iree import kernels as K
+
+    return {"fma": K.SparseAttnDecodeGpuSpec, "mma": K.SparseAttnDecodeMmaSpec,
+            "mfma": K.SparseAttnDecodeMfmaEmulatedSpec}[matrix](MsaConfig(), 16)
+
+
+@pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
 def test_one_workspace_serves_calls_of_every_split_count(cuda_kernels, matrix):
     """One output-poisoned call after another on one workspace, with row counts that give 16, 4,
     2, 1 and again 16 splits (with one split the mma attend writes the output itself and
     runs @merge as one workgroup that does nothing): every call matches the reference."""
-    from msa_iree.kernels import SparseAttnDecodeMmaSpec
-
-    spec = (SparseAttnDecodeMmaSpec if matrix == "mma" else SparseAttnDecodeGpuSpec)(MsaConfig(), 16)
+    spec = _bf16_decode_spec(matrix)
     dev = torch.device("cuda")
     ws = _poisoned_workspace(spec, 300)
     gen = torch.Generator().manual_seed(5)
@@ -307,3 +317,31 @@ def test_one_workspace_serves_calls_of_every_split_count(cuda_kernels, matrix):
         R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref)
         err = (out.cpu().float() - ref.float()).abs()
         assert err.max() < 1.7e-2, (batch, float(err.max()))
+
+
+@pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
+def test_what_no_row_may_see_is_never_read(cuda_kernels, matrix):
+    """NaN in every K/V slot past each row's position in its own block (and in a block no table
+    names) must not reach the output: the kernels mask scores and zero V there (0 * NaN is NaN)."""
+    from msa_iree.layout import pack_kv_cache
+
+    c = testing.decode_case([129, 300, 2049, 77, 1000], seed=31, keep_own_prob=1.0)
+    k, v = c.k_logical.clone(), c.v_logical.clone()
+    named = set(c.block_table[c.block_table >= 0].tolist())
+    for t in (k, v):
+        for b in set(range(t.shape[0])) - named:
+            t[b] = float("nan")
+        for r in range(len(c.seq_lens)):
+            pos = int(c.query_abs_pos[r])
+            t[int(c.block_table[r, pos // 128]), pos % 128 + 1:] = float("nan")
+    c.k_cache, c.v_cache = pack_kv_cache(k, v, "interleaved")
+    spec = _bf16_decode_spec(matrix)
+    dev = torch.device("cuda")
+    out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device=dev)
+    cuda_kernels.run(spec, *[a.to(dev) for a in _module_operands(c, c.seq_lens)], out=[out, _poisoned_workspace(spec, 5)])
+    ref = torch.empty_like(c.q)
+    R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref)
+    assert not ref.isnan().any()  # the reference, too, reads none of it
+    out = out.cpu()
+    assert not out.isnan().any()
+    assert (out.float() - ref.float()).abs().max() < 1.7e-2

@@ -59,6 +59,64 @@ def test_gfx942_isa(tmp_path):
     assert insert["dispatches"] == 1 and insert["functions"][0]["scratch_bytes"] == 0
 
 
+MFMA = [K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="bf16"), 16),
+        K.SparseAttnPrefillMfmaSpec(MsaConfig(kv_dtype="fp16", query_dtype="fp16"), 8)]
+
+
+def test_gfx942_mfma_isa(tmp_path):
+    """gfx942's MFMA attend (compiled, never run here; its numerics run on CUDA as the emulated
+    twin, tests/test_gpu.py): 2 dispatches, both products on the matrix cores (16 QK + 16 PV MFMAs
+    a block), no scratch, >= 4 waves per SIMD counting registers and LDS, every K/V load 16 bytes
+    (8 K + 8 V a block, plus q's one copy into LDS)."""
+    C.build(None, ["gfx942"], tmp_path, specs=MFMA, log=lambda m: None)
+    report = {r["kernel"]: r for r in kernel_report(tmp_path)}
+    for spec in MFMA:
+        attend = report[spec.name]
+        assert attend["dispatches"] == 2
+        split = next(f for f in attend["functions"] if f["function"] == "split")
+        assert split["mfma"] == 32
+        assert split["scratch_bytes"] == 0 and split["scratch_ops"] == 0
+        assert split["waves_per_simd"] >= 4, split
+        assert split["global_load_x4"] == 17, split
+
+
+def test_waves_per_simd_counts_lds():
+    from msa_iree.inspect import waves_per_simd
+
+    assert waves_per_simd(120, 0, 256) == 4
+    assert waves_per_simd(120, 33472, 256) == 1  # one 4-wave workgroup per CU: LDS, not registers
+    assert waves_per_simd(120, 12992, 256) == 4
+    assert waves_per_simd(48, 8192, 128) == 4  # 8 two-wave workgroups a CU by LDS
+
+
+def test_mfma_specs_refuse_what_they_cannot_build():
+    with pytest.raises(ValueError, match="num_heads / num_kv_heads"):
+        K.SparseAttnDecodeMfmaSpec(MsaConfig(num_heads=8), 16)
+    with pytest.raises(ValueError, match="kv_dtype: expected the query dtype"):
+        K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16)
+    assert K.SparseAttnDecodeMfmaEmulatedSpec.targets == ("cuda",) and K.SparseAttnDecodeMfmaSpec.targets == ("gfx942",)
+    names = {s.name for s in K.kernel_set(MsaConfig(kv_dtype="bf16"), target="gfx942")}
+    assert K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="bf16"), 16).name in names
+    assert K.SparseAttnPrefillMfmaSpec(MsaConfig(kv_dtype="bf16"), 8).name in names
+    assert not any("mfma" in s.name for s in K.kernel_set(MsaConfig(kv_dtype="bf16"), target="cuda"))
+
+
+def test_gpu_matrix_picks_the_targets_matrix_kernel():
+    from msa_iree.runtime import _gpu_matrix
+
+    bf16, fp8, h8 = MsaConfig(kv_dtype="bf16"), MsaConfig(kv_dtype="fp8_e4m3fnuz"), MsaConfig(num_heads=8, kv_dtype="bf16")
+    assert _gpu_matrix("gfx942", bf16, "auto") == "mfma"
+    assert _gpu_matrix("gfx942", fp8, "auto") == "fma" and _gpu_matrix("gfx942", h8, "auto") == "fma"
+    assert _gpu_matrix("cuda", bf16, "auto") == "mma" and _gpu_matrix("cuda", bf16, "mfma") == "mfma"
+    assert _gpu_matrix("host", bf16, "auto") == "fma"
+    with pytest.raises(ValueError, match="gpu_matrix='mfma': expected a gfx942"):
+        _gpu_matrix("gfx942", fp8, "mfma")
+    with pytest.raises(ValueError, match="gpu_matrix='mma': expected a cuda target"):
+        _gpu_matrix("gfx942", bf16, "mma")
+    with pytest.raises(ValueError, match="gpu_matrix: expected 'auto'"):
+        _gpu_matrix("cuda", bf16, "tensorcore")
+
+
 def _template_splits(rows):
     """The split count @attend picks (kernels_mlir/sparse_attn_decode_gpu.mlir.j2), restated."""
     return 16 if rows <= 16 else 8 if rows <= 32 else 4 if rows <= 64 else 2 if rows <= 128 else 1

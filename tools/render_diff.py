@@ -2,9 +2,10 @@
 
 For refactors of kernels_mlir/ (and of the spec classes that render it): a kernel that renders
 the same MLIR, up to comments and blank lines, compiles to the same code, so whatever was measured
-or tested on a GPU for that revision still holds. Renders every GPU attend variant (FMA and mma,
-decode and prefill, each KV dtype and query dtype, 8/16 heads per KV head, 1-2 KV heads, L 1-4,
-both cache layouts) here and in a temporary git worktree of `--against`, and lists those that differ.
+or tested on a GPU for that revision still holds. Renders every GPU attend variant (each attend
+class of kernels.GPU_SPECS: FMA, mma, MFMA and its CUDA-emulated twin; decode and prefill, each
+KV dtype and query dtype, 8/16 heads per KV head, 1-2 KV heads, L 1-4, both cache layouts) here
+and in a temporary git worktree of `--against`, and lists those that differ.
 
     python tools/render_diff.py --against a2d75d0      # exit 0: all the same; 1: some differ
 """
@@ -22,7 +23,7 @@ import json, sys
 from msa_iree import kernels as K
 from msa_iree.config import MsaConfig
 out = {}
-for cls in (K.SparseAttnDecodeGpuSpec, K.SparseAttnPrefillGpuSpec, K.SparseAttnDecodeMmaSpec, K.SparseAttnPrefillMmaSpec):
+for cls in [c for c in K.GPU_SPECS if issubclass(c, K.SparseAttnDecodeGpuSpec)]:
     for kv, qd in (("bf16", "bf16"), ("fp16", "fp16"), ("fp8_e4m3fn", "bf16"), ("fp8_e4m3fnuz", "bf16"),
                    ("fp8_e4m3fnuz", "fp16")):
         for h, g in ((1, 16), (1, 8), (2, 16)):
