@@ -693,7 +693,8 @@ class SparseAttnPrefillMmaSpec(SparseAttnDecodeMmaSpec):
 class SparseAttnDecodeMfmaSpec(SparseAttnDecodeGpuSpec):
     """The GPU attend with both products on gfx942's matrix cores (MFMA 16x16x16, bf16 or f16; the
     lane layout and the wave-per-page structure are described in kernels_mlir/mfma_split.j2).
-    16 heads per KV head; the cache holds the query's dtype (fp8 caches keep the FMA variant).
+    16 heads per KV head; the cache holds the query's dtype, or fp8 (e4m3fn / e4m3fnuz: then both
+    products run in f16, the fp8 bytes decoded exactly a word at a time, queries clamped to +-65504).
     NOT RUN: no AMD GPU was available. Its numerics are proven by SparseAttnDecodeMfmaEmulatedSpec,
     the same text with each MFMA emulated, on CUDA (tests/test_gpu.py)."""
 
@@ -707,13 +708,13 @@ class SparseAttnDecodeMfmaSpec(SparseAttnDecodeGpuSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.cfg.kv_dtype != self.cfg.query_dtype:
-            raise ValueError(f"kv_dtype: expected the query dtype {self.cfg.query_dtype} for the MFMA attend "
-                             f"(fp8 caches use the FMA variant), got {self.cfg.kv_dtype}")
+        if not self.cfg.is_fp8 and self.cfg.kv_dtype != self.cfg.query_dtype:
+            raise ValueError(f"kv_dtype: expected fp8 or the query dtype {self.cfg.query_dtype} for the MFMA attend "
+                             f"(both operands share one type), got {self.cfg.kv_dtype}")
 
     @classmethod
     def supports(cls, cfg) -> bool:
-        return super().supports(cfg) and cfg.kv_dtype == cfg.query_dtype
+        return super().supports(cfg) and (cfg.is_fp8 or cfg.kv_dtype == cfg.query_dtype)
 
 
 class SparseAttnPrefillMfmaSpec(SparseAttnDecodeMfmaSpec):

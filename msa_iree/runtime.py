@@ -370,7 +370,7 @@ def _gpu_matrix(target, cfg, gpu_matrix):
     specs = _GPU_ATTEND.get((target, gpu_matrix))
     if specs is None or not specs[0].supports(cfg):
         need = ("a cuda target, 8 or 16 heads per KV head and an fp8 or query-dtype cache" if gpu_matrix == "mma" else
-                "a gfx942 (or, emulated for tests, cuda) target, 16 heads per KV head and a query-dtype cache")
+                "a gfx942 (or, emulated for tests, cuda) target, 16 heads per KV head and an fp8 or query-dtype cache")
         raise ValueError(f"gpu_matrix={gpu_matrix!r}: expected {need}, got target {target!r}, {cfg.group_size} "
                          f"heads per KV head, a {cfg.kv_dtype} cache with {cfg.query_dtype} queries")
     return gpu_matrix
@@ -398,7 +398,6 @@ class SparseAttention:
         self.gpu_decode = (self.kernels.target in SparseAttnDecodeGpuSpec.targets
                            and SparseAttnDecodeGpuSpec.supports(self.cfg))
         self.gpu_matrix = _gpu_matrix(self.kernels.target, self.cfg, gpu_matrix)
-        self.use_mma = self.gpu_matrix == "mma"
         self.decode_spec, self.prefill_spec = _GPU_ATTEND[self.kernels.target, self.gpu_matrix] \
             if self.gpu_decode else (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec)
 

@@ -180,12 +180,11 @@ def gpu_test_specs():
         specs += [SparseAttnPrefillGpuSpec(cfg, stride), InsertKvGpuSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg, stride)]
         specs += [cls(cfg.replace(decode_query_len=L), stride) for L in (1, 4)
                   for cls in (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec)]
-        if Mfma.supports(cfg):
-            specs += [MfmaPrefill(cfg, stride)] + [Mfma(cfg.replace(decode_query_len=L), stride) for L in (1, 4)]
+        specs += [MfmaPrefill(cfg, stride)] + [Mfma(cfg.replace(decode_query_len=L), stride) for L in (1, 4)]
     for kv, qd, layout, h in GPU_INSERT_CASES:
         cfg = MsaConfig(num_heads=8 * h, num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
         specs.append(InsertKvGpuSpec(cfg, LAYOUT_STRIDES[layout]))
     for kv in ("fp8_e4m3fn", "fp8_e4m3fnuz"):  # the NaN-code tests: decode L=1, interleaved
-        specs += [cls(MsaConfig(kv_dtype=kv), 16) for cls in (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec)]
+        specs += [cls(MsaConfig(kv_dtype=kv), 16) for cls in (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec, Mfma)]
     specs += [cls(MsaConfig(), 16) for cls in (SparseAttnDecodeMmaSpec, Mfma)]  # workspace, NaN-tail tests (bf16)
     return list({s.name: s for s in specs}.values())

@@ -64,6 +64,14 @@ def _poisoned_workspace(spec, num_tokens):
     return torch.full((spec.workspace_floats(num_tokens),), float("nan"), device=torch.device("cuda"))
 
 
+def _decode_spec(matrix, kv="bf16"):
+    """The decode attend of one matrix variant (mfma: gfx942's, emulated), 16 heads, L=1, interleaved."""
+    from msa_iree import kernels as K
+
+    return {"fma": K.SparseAttnDecodeGpuSpec, "mma": K.SparseAttnDecodeMmaSpec,
+            "mfma": K.SparseAttnDecodeMfmaEmulatedSpec}[matrix](MsaConfig(kv_dtype=kv), 16)
+
+
 def _variants(prefill):
     """(case, spec class) for every GPU decode case: the FMA kernel (what gfx942 builds for fp8
     caches and 8 heads, proven here), and where they apply the tensor-core (mma) kernel CUDA serves
@@ -188,14 +196,12 @@ def test_the_nan_case_is_what_it_says():
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3fn", "fp8_e4m3fnuz"])
-@pytest.mark.parametrize("matrix", ["fma", "mma"])
+@pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
 def test_fp8_nan_codes_propagate_as_in_the_reference(cuda_kernels, kv, matrix):
-    """No silent garbage: a NaN code the row sees gives NaN where the reference does (the mma
-    kernel's word decode marks NaN codes explicitly), and one it does not see changes nothing."""
-    from msa_iree.kernels import SparseAttnDecodeMmaSpec
-
+    """No silent garbage: a NaN code the row sees gives NaN where the reference does (the mma and
+    mfma kernels' word decode marks NaN codes explicitly), and one it does not see changes nothing."""
     c, ref = _nan_case(kv)
-    spec = (SparseAttnDecodeMmaSpec if matrix == "mma" else SparseAttnDecodeGpuSpec)(MsaConfig(kv_dtype=kv), 16)
+    spec = _decode_spec(matrix, kv)
     dev = torch.device("cuda")
     args = _module_operands(c, c.seq_lens)
     out = torch.zeros(c.q.shape, dtype=c.q.dtype, device=dev)
@@ -230,11 +236,8 @@ def test_results_come_back_on_the_gpu(cuda_kernels):
     assert torch.equal(got, R.rebase_block_table_to_page16(bt))
 
 
-# the gfx942 MFMA kernel (emulated here) takes caches of the query's dtype only
-SERVING_CASES = [(*c, m) for c in testing.GPU_SERVING_CASES for m in ("fma", "mma", "mfma") if m != "mfma" or c[0] == c[1]]
-
-
-@pytest.mark.parametrize("kv, qd, layout, h, smode, matrix", SERVING_CASES)
+@pytest.mark.parametrize("kv, qd, layout, h, smode", testing.GPU_SERVING_CASES)
+@pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
 def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode, matrix):
     from serving import Server
 
@@ -293,11 +296,6 @@ def test_insert_kv_gpu_is_in_place_and_exact(cuda_kernels, kv, kd, layout, h, sm
     assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at {bad[:5].tolist()}: got {got[bad[:5]].tolist()} want {want[bad[:5]].tolist()}"
 
 
-def _bf16_decode_spec(matrix):
-    from msa_iree import kernels as K
-
-    return {"fma": K.SparseAttnDecodeGpuSpec, "mma": K.SparseAttnDecodeMmaSpec,
-            "mfma": K.SparseAttnDecodeMfmaEmulatedSpec}[matrix](MsaConfig(), 16)
 
 
 @pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
@@ -305,7 +303,7 @@ def test_one_workspace_serves_calls_of_every_split_count(cuda_kernels, matrix):
     """One output-poisoned call after another on one workspace, with row counts that give 16, 4,
     2, 1 and again 16 splits (with one split the mma attend writes the output itself and
     runs @merge as one workgroup that does nothing): every call matches the reference."""
-    spec = _bf16_decode_spec(matrix)
+    spec = _decode_spec(matrix)
     dev = torch.device("cuda")
     ws = _poisoned_workspace(spec, 300)
     gen = torch.Generator().manual_seed(5)
@@ -335,7 +333,7 @@ def test_what_no_row_may_see_is_never_read(cuda_kernels, matrix):
             pos = int(c.query_abs_pos[r])
             t[int(c.block_table[r, pos // 128]), pos % 128 + 1:] = float("nan")
     c.k_cache, c.v_cache = pack_kv_cache(k, v, "interleaved")
-    spec = _bf16_decode_spec(matrix)
+    spec = _decode_spec(matrix)
     dev = torch.device("cuda")
     out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device=dev)
     cuda_kernels.run(spec, *[a.to(dev) for a in _module_operands(c, c.seq_lens)], out=[out, _poisoned_workspace(spec, 5)])
