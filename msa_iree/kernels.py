@@ -693,14 +693,13 @@ class SparseAttnPrefillMmaSpec(SparseAttnDecodeMmaSpec):
 class SparseAttnDecodeMfmaSpec(SparseAttnDecodeGpuSpec):
     """The GPU attend with both products on gfx942's matrix cores (MFMA 16x16x16, bf16 or f16; the
     lane layout and the wave-per-page structure are described in kernels_mlir/mfma_split.j2).
-    16 heads per KV head; the cache holds the query's dtype, or fp8 (e4m3fn / e4m3fnuz: then both
+    8 or 16 heads per KV head; the cache holds the query's dtype, or fp8 (e4m3fn / e4m3fnuz: then both
     products run in f16, the fp8 bytes decoded exactly a word at a time, queries clamped to +-65504).
     NOT RUN: no AMD GPU was available. Its numerics are proven by SparseAttnDecodeMfmaEmulatedSpec,
     the same text with each MFMA emulated, on CUDA (tests/test_gpu.py)."""
 
     kernel = "sparse_attn_decode_mfma"
-    targets = ("gfx942",)
-    GROUP_SIZES = (16,)
+    targets = ("gfx942",)  # GROUP_SIZES as the FMA variant's; 8 heads: heads 8..15 of N are zero padding
     mfma = True
     # 4 waves per SIMD (<= 128 VGPRs): left alone, LLVM hoists all 16 K/V loads of a block and
     # takes 155 VGPRs (3 waves)

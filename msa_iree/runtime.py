@@ -369,9 +369,9 @@ def _gpu_matrix(target, cfg, gpu_matrix):
         return "fma"
     specs = _GPU_ATTEND.get((target, gpu_matrix))
     if specs is None or not specs[0].supports(cfg):
-        need = ("a cuda target, 8 or 16 heads per KV head and an fp8 or query-dtype cache" if gpu_matrix == "mma" else
-                "a gfx942 (or, emulated for tests, cuda) target, 16 heads per KV head and an fp8 or query-dtype cache")
-        raise ValueError(f"gpu_matrix={gpu_matrix!r}: expected {need}, got target {target!r}, {cfg.group_size} "
+        where = "a cuda target" if gpu_matrix == "mma" else "a gfx942 (or, emulated for tests, cuda) target"
+        raise ValueError(f"gpu_matrix={gpu_matrix!r}: expected {where}, 8 or 16 heads per KV head and an fp8 or "
+                         f"query-dtype cache, got target {target!r}, {cfg.group_size} "
                          f"heads per KV head, a {cfg.kv_dtype} cache with {cfg.query_dtype} queries")
     return gpu_matrix
 

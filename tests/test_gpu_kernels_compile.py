@@ -62,7 +62,8 @@ def test_gfx942_isa(tmp_path):
 MFMA = [K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="bf16"), 16),
         K.SparseAttnPrefillMfmaSpec(MsaConfig(kv_dtype="fp16", query_dtype="fp16"), 8),
         K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16),
-        K.SparseAttnPrefillMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 8)]
+        K.SparseAttnPrefillMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 8),
+        K.SparseAttnDecodeMfmaSpec(MsaConfig(num_heads=8, kv_dtype="bf16", decode_query_len=4), 8)]
 
 
 def test_gfx942_mfma_isa(tmp_path):
@@ -97,7 +98,7 @@ def test_waves_per_simd_counts_lds():
 
 def test_mfma_specs_refuse_what_they_cannot_build():
     with pytest.raises(ValueError, match="num_heads / num_kv_heads"):
-        K.SparseAttnDecodeMfmaSpec(MsaConfig(num_heads=8), 16)
+        K.SparseAttnDecodeMfmaSpec(MsaConfig(num_heads=4), 16)
     with pytest.raises(ValueError, match="kv_dtype: expected fp8 or the query dtype"):
         K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp16"), 16)
     assert K.SparseAttnDecodeMfmaEmulatedSpec.targets == ("cuda",) and K.SparseAttnDecodeMfmaSpec.targets == ("gfx942",)
@@ -111,13 +112,14 @@ def test_gpu_matrix_picks_the_targets_matrix_kernel():
     from msa_iree.runtime import _gpu_matrix
 
     bf16, fp8, h8 = MsaConfig(kv_dtype="bf16"), MsaConfig(kv_dtype="fp8_e4m3fnuz"), MsaConfig(num_heads=8, kv_dtype="bf16")
-    f16_bf16q = MsaConfig(kv_dtype="fp16")
-    assert _gpu_matrix("gfx942", bf16, "auto") == "mfma" and _gpu_matrix("gfx942", fp8, "auto") == "mfma"
-    assert _gpu_matrix("gfx942", h8, "auto") == "fma" and _gpu_matrix("gfx942", f16_bf16q, "auto") == "fma"
+    h4, f16_bf16q = MsaConfig(num_heads=4, kv_dtype="bf16"), MsaConfig(kv_dtype="fp16")
+    for cfg in (bf16, fp8, h8):
+        assert _gpu_matrix("gfx942", cfg, "auto") == "mfma"
+    assert _gpu_matrix("gfx942", h4, "auto") == "fma" and _gpu_matrix("gfx942", f16_bf16q, "auto") == "fma"
     assert _gpu_matrix("cuda", bf16, "auto") == "mma" and _gpu_matrix("cuda", bf16, "mfma") == "mfma"
     assert _gpu_matrix("host", bf16, "auto") == "fma"
     with pytest.raises(ValueError, match="gpu_matrix='mfma': expected a gfx942"):
-        _gpu_matrix("gfx942", h8, "mfma")
+        _gpu_matrix("gfx942", f16_bf16q, "mfma")
     with pytest.raises(ValueError, match="gpu_matrix='mma': expected a cuda target"):
         _gpu_matrix("gfx942", bf16, "mma")
     with pytest.raises(ValueError, match="gpu_matrix: expected 'auto'"):
