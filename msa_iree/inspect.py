@@ -15,6 +15,7 @@ INSTRUCTIONS = {
     "cvt_fp8": r"v_cvt\w*(?:fp8|bf8)\w*",
     "global_load": r"(?:global|buffer|flat)_load\w*",
     "global_load_x4": r"(?:global|buffer|flat)_load_dwordx4",
+    "global_load_x2": r"(?:global|buffer|flat)_load_dwordx2",
     "global_store": r"(?:global|buffer|flat)_store\w*",
     "scratch_ops": r"scratch_\w+",
     "ds_ops": r"ds_\w+",
