@@ -588,6 +588,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     mfma = False  # both products on gfx942's matrix cores (kernels_mlir/mfma_split.j2)
     emulate_mfma = False  # ... each MFMA computed through LDS instead, so that CUDA can run and test it
     waves_per_eu = None  # waves per SIMD asked of the gfx942 register allocator (mfma variant only)
+    early_v = False  # V loaded right after QK, before the softmax (mma variant, without async_kv)
     targets = ("cuda", "gfx942")
     GROUP_SIZES = (8, 16)
 
@@ -622,12 +623,13 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
                                FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill,
                                MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm, HW_FP8=self.uses_hw_fp8,
                                ASYNC_KV=self.mma and self.async_kv, MFMA=self.mfma, EMULATE=self.emulate_mfma,
-                               WAVES_PER_EU=self.waves_per_eu)
+                               WAVES_PER_EU=self.waves_per_eu, EARLY_V=self.mma and self.early_v)
 
     def describe(self) -> dict:
         return {**super().describe(), "mma": self.mma, "min_ctas_per_sm": self.min_ctas_per_sm,
                 "hw_fp8": self.uses_hw_fp8, "async_kv": self.mma and self.async_kv, "mfma": self.mfma,
-                "emulate_mfma": self.emulate_mfma, "waves_per_eu": self.waves_per_eu}
+                "emulate_mfma": self.emulate_mfma, "waves_per_eu": self.waves_per_eu,
+                "early_v": self.mma and self.early_v}
 
     @property
     def uses_hw_fp8(self) -> bool:
@@ -671,6 +673,11 @@ class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
         # (tools/PERF.md): fp8 TP4 B=64 20.0 -> 17.7 us, L=4 B=64 46.8 -> 38.9 us; bf16 (64 KiB of
         # LDS a workgroup) TP4 B=64 27.4 -> 28.9 us and prefill 559 -> 650 us: fp8 only
         return self.cfg.is_fp8
+
+    # bf16/f16 (K and V read straight into registers): V requested right after QK, so that its
+    # loads are in flight during the softmax (127 registers, no spills). Measured on the H200
+    # (tools/PERF.md): prefill bf16 552 -> 532 us, L=4 B=128 113.4 -> 111.8 us, L=1 unchanged
+    early_v = True
 
     def __post_init__(self):
         super().__post_init__()

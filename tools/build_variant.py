@@ -56,6 +56,12 @@ def main():
         raise SystemExit(f"--base: expected a build of tools/build_gpu_tests.py (with a manifest.json), got {args.base}")
     decode = type("Decode", (K.SparseAttnDecodeMmaSpec,), overrides)
     prefill = type("Prefill", (K.SparseAttnPrefillMmaSpec,), overrides)
+    probe = MsaConfig(kv_dtype=args.kv_dtype.split(",")[0])
+    if C.content_key(decode(probe, 16), "cuda") == C.content_key(K.SparseAttnDecodeMmaSpec(probe, 16), "cuda"):
+        # the build would skip every module as unchanged: the default already, or an attribute
+        # that describe() leaves out (the content key hashes describe(), not the rendered text)
+        raise SystemExit(f"--set {overrides}: changes nothing the build sees (the default already, or an "
+                         "attribute missing from SparseAttnDecodeGpuSpec.describe())")
     specs = []
     for kv in args.kv_dtype.split(","):
         for heads in (int(h) for h in args.heads.split(",")):
