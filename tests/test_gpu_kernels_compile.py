@@ -143,7 +143,9 @@ def test_workspace_bound_covers_every_row_count(hq, h):
 
 
 @pytest.mark.parametrize("spec", [K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16),
-                                  K.SparseAttnPrefillGpuSpec(MsaConfig(kv_dtype="bf16"), 8)], ids=lambda s: s.name)
+                                  K.SparseAttnPrefillGpuSpec(MsaConfig(kv_dtype="bf16"), 8),
+                                  K.SparseAttnPrefillMfmaEmulatedSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16)],
+                         ids=lambda s: s.name)
 def test_the_attend_call_allocates_nothing(spec):
     """`main` writes into the caller's output and workspace: after IREE's stream partitioning it
     holds no allocation, copy or fill (an allocating call cost ~100 us more host time on an H200)."""
