@@ -27,7 +27,7 @@ import torch
 
 from . import reference
 from .config import DTYPES, MsaConfig
-from .kernels import SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec
+from .kernels import SparseAttnDecodeGpuSpec, SparseAttnDecodeMfmaSpec, SparseAttnDecodeMmaSpec
 from .layout import BLOCK_SIZE, allocate_kv_cache
 from .runtime import KernelLibrary, MetadataBuilder, SparseAttention
 
@@ -283,7 +283,8 @@ def format_table(rows, copy_GBps):
     return "\n".join(lines)
 
 
-VARIANT_LABEL = {"sparse_attn_decode_mma": "mma (tensor cores)", "sparse_attn_decode_gpu": "fma (gfx942's variant)"}
+VARIANT_LABEL = {"sparse_attn_decode_mma": "mma (tensor cores)", "sparse_attn_decode_gpu": "fma (portable)",
+                 "sparse_attn_decode_mfma": "mfma (matrix cores)"}
 # vLLM's Triton MSA attend on an H200 (ANCHORS.md): (kv, q heads, batch) -> GB/s, decode L=1, ctx 4K-32K
 TRITON_ANCHOR_GBPS = {("bf16", 16, 8): 616, ("bf16", 16, 64): 1968, ("bf16", 8, 64): 2059,
                       ("fp8_e4m3fn", 16, 8): 289, ("fp8_e4m3fn", 16, 64): 922, ("fp8_e4m3fn", 8, 64): 952}
@@ -333,8 +334,8 @@ def main(argv=None):
     p.add_argument("--heads", default="16,8", help="query heads per KV head: 16 = TP4, 8 = TP8")
     p.add_argument("--kv-dtype", default="bf16,fp8_e4m3fn")
     p.add_argument("--prefill", action="store_true", help="also prefill q=4096 over 32K")
-    p.add_argument("--matrix", default="auto", help="GPU attend variants, comma list: auto (mma on cuda where "
-                   "possible), fma (the variant gfx942 builds), mma")
+    p.add_argument("--matrix", default="auto", help="GPU attend variants, comma list: auto (the target's matrix "
+                   "cores where possible: mma on cuda, mfma on hip), fma (portable), mma, mfma")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--plot", help="write a PNG of GB/s vs batch here (needs matplotlib)")
@@ -366,6 +367,8 @@ def main(argv=None):
         for kv in a.kv_dtype.split(","):
             for hq in ints(a.heads):
                 if matrix == "mma" and not SparseAttnDecodeMmaSpec.supports(MsaConfig(num_heads=hq, kv_dtype=kv)):
+                    continue
+                if matrix == "mfma" and not SparseAttnDecodeMfmaSpec.supports(MsaConfig(num_heads=hq, kv_dtype=kv)):
                     continue
                 for L in ints(a.L):
                     for ctx in ints(a.context):
