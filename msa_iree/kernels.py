@@ -649,7 +649,24 @@ class SparseAttnPrefillGpuSpec(SparseAttnDecodeGpuSpec):
     prefill = True
 
 
-class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
+class _MatrixCoreSpec(SparseAttnDecodeGpuSpec):
+    """A GPU attend whose products run on matrix instructions: both operands share one type, so the
+    cache holds the query's dtype or fp8 (decoded exactly into f16, the query converted to f16)."""
+
+    matrix = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.cfg.is_fp8 and self.cfg.kv_dtype != self.cfg.query_dtype:
+            raise ValueError(f"kv_dtype: expected fp8 or the query dtype {self.cfg.query_dtype} for the {self.matrix} "
+                             f"attend (both operands share one type), got {self.cfg.kv_dtype}")
+
+    @classmethod
+    def supports(cls, cfg) -> bool:
+        return super().supports(cfg) and (cfg.is_fp8 or cfg.kv_dtype == cfg.query_dtype)
+
+
+class SparseAttnDecodeMmaSpec(_MatrixCoreSpec):
     """The GPU attend with both products on NVIDIA tensor cores (mma.sync m16n8k16 through
     nvgpu.mma.sync; the heads of a KV head are M). CUDA only; 8 or 16 heads per KV head; the cache
     holds the query's dtype, or fp8 (then both products run in f16: fp8 values and bf16 queries
@@ -657,6 +674,7 @@ class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
     SparseAttnDecodeMfmaSpec (a different structure: one wave per page pair, wave64 fragments)."""
 
     kernel = "sparse_attn_decode_mma"
+    matrix = "mma"
     targets = ("cuda",)  # GROUP_SIZES as the FMA variant's; 8 heads: rows 8..15 of M are zero padding
     mma = True
     # 2 workgroups (16 warps) per SM, i.e. <= 128 registers: left alone, ptxas gave the 8-head
@@ -679,16 +697,6 @@ class SparseAttnDecodeMmaSpec(SparseAttnDecodeGpuSpec):
     # (tools/PERF.md): prefill bf16 552 -> 532 us, L=4 B=128 113.4 -> 111.8 us, L=1 unchanged
     early_v = True
 
-    def __post_init__(self):
-        super().__post_init__()
-        if not self.cfg.is_fp8 and self.cfg.kv_dtype != self.cfg.query_dtype:
-            raise ValueError(f"kv_dtype: expected fp8 or the query dtype {self.cfg.query_dtype} for the mma attend "
-                             f"(both operands share one type), got {self.cfg.kv_dtype}")
-
-    @classmethod
-    def supports(cls, cfg) -> bool:
-        return super().supports(cfg) and (cfg.is_fp8 or cfg.kv_dtype == cfg.query_dtype)
-
 
 class SparseAttnPrefillMmaSpec(SparseAttnDecodeMmaSpec):
     """The mma attend for (chunked) prefill rows (operands as SparseAttnPrefillSpec's)."""
@@ -697,7 +705,7 @@ class SparseAttnPrefillMmaSpec(SparseAttnDecodeMmaSpec):
     prefill = True
 
 
-class SparseAttnDecodeMfmaSpec(SparseAttnDecodeGpuSpec):
+class SparseAttnDecodeMfmaSpec(_MatrixCoreSpec):
     """The GPU attend with both products on gfx942's matrix cores (MFMA 16x16x16, bf16 or f16; the
     lane layout and the wave-per-page structure are described in kernels_mlir/mfma_split.j2).
     8 or 16 heads per KV head; the cache holds the query's dtype, or fp8 (e4m3fn / e4m3fnuz: then both
@@ -707,20 +715,11 @@ class SparseAttnDecodeMfmaSpec(SparseAttnDecodeGpuSpec):
 
     kernel = "sparse_attn_decode_mfma"
     targets = ("gfx942",)  # GROUP_SIZES as the FMA variant's; 8 heads: heads 8..15 of N are zero padding
+    matrix = "MFMA"
     mfma = True
-    # 4 waves per SIMD (<= 128 VGPRs): left alone, LLVM hoists all 16 K/V loads of a block and
-    # takes 155 VGPRs (3 waves)
+    # 4 waves per SIMD asked of the register allocator (<= 128 VGPRs): fp8 takes 124 with it, 128
+    # without (bf16 111 either way); with q in registers it had taken 155 (3 waves) or spilled
     waves_per_eu = 4
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not self.cfg.is_fp8 and self.cfg.kv_dtype != self.cfg.query_dtype:
-            raise ValueError(f"kv_dtype: expected fp8 or the query dtype {self.cfg.query_dtype} for the MFMA attend "
-                             f"(both operands share one type), got {self.cfg.kv_dtype}")
-
-    @classmethod
-    def supports(cls, cfg) -> bool:
-        return super().supports(cfg) and (cfg.is_fp8 or cfg.kv_dtype == cfg.query_dtype)
 
 
 class SparseAttnPrefillMfmaSpec(SparseAttnDecodeMfmaSpec):
