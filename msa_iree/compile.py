@@ -138,7 +138,10 @@ def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=No
         import shutil
 
         shutil.rmtree(isa_dir, ignore_errors=True)
-        dump = [f"--iree-hal-dump-executable-files-to={isa_dir}"]
+        # sources, intermediates (.ll, .rocmasm, .ptx) and binaries; not the meta flag
+        # (--iree-hal-dump-executable-files-to), which also asks for benchmarks and makes IREE print
+        # a remark for every hand-written executable it cannot make one of
+        dump = [f"--iree-hal-dump-executable-{what}-to={isa_dir}" for what in ("sources", "intermediates", "binaries")]
     vmfb = compile_mlir(mlir, target, spec.target_flags(target) + list(extra_flags) + dump)
     _atomic_write(cached, vmfb)
     return vmfb, key, False
