@@ -589,6 +589,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     emulate_mfma = False  # ... each MFMA computed through LDS instead, so that CUDA can run and test it
     waves_per_eu = None  # waves per SIMD asked of the gfx942 register allocator (mfma variant only)
     early_v = False  # V loaded right after QK, before the softmax (mma variant, without async_kv)
+    merge_rows_splits = 0  # up to this many splits @merge takes a workgroup per row (mma, mfma variants)
     targets = ("cuda", "gfx942")
     GROUP_SIZES = (8, 16)
 
@@ -623,13 +624,14 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
                                FP8=_FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill,
                                MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm, HW_FP8=self.uses_hw_fp8,
                                ASYNC_KV=self.mma and self.async_kv, MFMA=self.mfma, EMULATE=self.emulate_mfma,
-                               WAVES_PER_EU=self.waves_per_eu, EARLY_V=self.mma and self.early_v)
+                               WAVES_PER_EU=self.waves_per_eu, EARLY_V=self.mma and self.early_v,
+                               MERGE_ROWS_SPLITS=self.merge_rows_splits if (self.mma or self.mfma) else 0)
 
     def describe(self) -> dict:
         return {**super().describe(), "mma": self.mma, "min_ctas_per_sm": self.min_ctas_per_sm,
                 "hw_fp8": self.uses_hw_fp8, "async_kv": self.mma and self.async_kv, "mfma": self.mfma,
                 "emulate_mfma": self.emulate_mfma, "waves_per_eu": self.waves_per_eu,
-                "early_v": self.mma and self.early_v}
+                "early_v": self.mma and self.early_v, "merge_rows_splits": self.merge_rows_splits}
 
     @property
     def uses_hw_fp8(self) -> bool:
@@ -654,6 +656,10 @@ class _MatrixCoreSpec(SparseAttnDecodeGpuSpec):
     cache holds the query's dtype or fp8 (decoded exactly into f16, the query converted to f16)."""
 
     matrix = ""
+    # @merge: a 256-thread workgroup per row (8 dims a thread) up to 4 splits (>= 33 rows), per
+    # (row, head pair) above. On the H200 (tools/PERF.md), against the (row, head) grid: TP4 bf16
+    # B=64 27.7 -> 27.4 us, B=128 45.2 -> 44.3, fp8 B=64 17.8 -> 17.2, B=128 28.9 -> 27.6
+    merge_rows_splits = 4
 
     def __post_init__(self):
         super().__post_init__()
