@@ -73,9 +73,9 @@ def _decode_spec(matrix, kv="bf16"):
 
 
 def _variants(prefill):
-    """(case, spec class) for every GPU decode case: the FMA kernel (what gfx942 builds for fp8
-    caches and 8 heads, proven here), and where they apply the tensor-core (mma) kernel CUDA serves
-    with and gfx942's MFMA kernel with its MFMAs emulated (its numerics, proven here)."""
+    """(case, spec class) for every GPU decode case: the portable FMA kernel, and where they apply
+    the tensor-core (mma) kernel CUDA serves with and gfx942's MFMA kernel with its MFMAs emulated
+    (its numerics, proven here)."""
     from msa_iree import kernels as K
 
     variants = {"fma": (K.SparseAttnDecodeGpuSpec, K.SparseAttnPrefillGpuSpec),
@@ -296,13 +296,12 @@ def test_insert_kv_gpu_is_in_place_and_exact(cuda_kernels, kv, kd, layout, h, sm
     assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at {bad[:5].tolist()}: got {got[bad[:5]].tolist()} want {want[bad[:5]].tolist()}"
 
 
-
-
 @pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
 def test_one_workspace_serves_calls_of_every_split_count(cuda_kernels, matrix):
     """One output-poisoned call after another on one workspace, with row counts that give 16, 4,
-    2, 1 and again 16 splits (with one split the mma attend writes the output itself and
-    runs @merge as one workgroup that does nothing): every call matches the reference."""
+    2, 1 and again 16 splits (with one split the mma and mfma attends write the output themselves
+    and run @merge as one workgroup that does nothing; their @merge changes mode at 4 splits):
+    every call matches the reference."""
     spec = _decode_spec(matrix)
     dev = torch.device("cuda")
     ws = _poisoned_workspace(spec, 300)
