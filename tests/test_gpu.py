@@ -298,15 +298,15 @@ def test_insert_kv_gpu_is_in_place_and_exact(cuda_kernels, kv, kd, layout, h, sm
 
 @pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
 def test_one_workspace_serves_calls_of_every_split_count(cuda_kernels, matrix):
-    """One output-poisoned call after another on one workspace, with row counts that give 16, 4,
-    2, 1 and again 16 splits (with one split the mma and mfma attends write the output themselves
-    and run @merge as one workgroup that does nothing; their @merge changes mode at 4 splits):
-    every call matches the reference."""
+    """One output-poisoned call after another on one workspace, with row counts that give 16, 8,
+    4, 2, 1 and again 16 splits (with one split the mma and mfma attends write the output
+    themselves and run @merge as one workgroup that does nothing; their @merge changes mode
+    between 8 and 4 splits): every call matches the reference."""
     spec = _decode_spec(matrix)
     dev = torch.device("cuda")
     ws = _poisoned_workspace(spec, 300)
     gen = torch.Generator().manual_seed(5)
-    for batch in (3, 40, 100, 300, 5):
+    for batch in (3, 20, 40, 100, 300, 5):
         c = testing.decode_case(torch.randint(1, 1200, (batch,), generator=gen).tolist(), seed=batch)
         out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device=dev)
         cuda_kernels.run(spec, *[a.to(dev) for a in _module_operands(c, c.seq_lens)], out=[out, ws])
