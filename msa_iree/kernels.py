@@ -786,31 +786,34 @@ GPU_SPECS = (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec, SparseAttnDecode
              SparseAttnPrefillMfmaEmulatedSpec, InsertKvGpuSpec)
 ALL_KERNELS = {cls.kernel: cls for cls in (*REBASE_SPECS, *TABLE_SPECS, *ATTEND_SPECS, InsertKvSpec, *GPU_SPECS)}
 
+# (matrix variant, target) -> the GPU attend's (decode, prefill) spec classes. "mfma" on cuda is the
+# gfx942 kernel with its MFMAs emulated: it proves that kernel's numerics on an NVIDIA GPU (slow,
+# tests only: no deployment kernel set holds it)
+GPU_ATTEND = {
+    ("fma", "cuda"): (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec),
+    ("fma", "gfx942"): (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec),
+    ("mma", "cuda"): (SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec),
+    ("mfma", "gfx942"): (SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaSpec),
+    ("mfma", "cuda"): (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnPrefillMfmaEmulatedSpec),
+}
+# the matrix-core variant each GPU target serves with
+NATIVE_MATRIX = {"cuda": "mma", "gfx942": "mfma"}
+
 
 def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), target=None) -> list[KernelSpec]:
     """Every kernel a deployment of `cfg` needs: per cache layout (block page stride) and per
     decode query length L (1 = plain decode, > 1 = speculative decode). For a GPU `target`
     also the hand-written decode attend, where the head grouping allows it."""
-    gpu = target in SparseAttnDecodeGpuSpec.targets and SparseAttnDecodeGpuSpec.supports(cfg)
-    mma = target in SparseAttnDecodeMmaSpec.targets and SparseAttnDecodeMmaSpec.supports(cfg)
-    mfma = target in SparseAttnDecodeMfmaSpec.targets and SparseAttnDecodeMfmaSpec.supports(cfg)
+    # the hand-written attends this target serves with: FMA, and its matrix-core variant
+    gpu_attends = [GPU_ATTEND[m, target] for m in ("fma", NATIVE_MATRIX.get(target))
+                   if (m, target) in GPU_ATTEND and GPU_ATTEND[m, target][0].supports(cfg)]
     specs = [RebaseBlockTableSpec(cfg), RebaseSlotsSpec(cfg)]
     for stride in strides:
         for L in decode_query_lens:
             specs += [BuildDecodeTableSpec(cfg.replace(decode_query_len=L), stride),
                       SparseAttnDecodeSpec(cfg.replace(decode_query_len=L), stride)]
-            if gpu:
-                specs.append(SparseAttnDecodeGpuSpec(cfg.replace(decode_query_len=L), stride))
-            if mma:
-                specs.append(SparseAttnDecodeMmaSpec(cfg.replace(decode_query_len=L), stride))
-            if mfma:
-                specs.append(SparseAttnDecodeMfmaSpec(cfg.replace(decode_query_len=L), stride))
-        if gpu:
-            specs.append(SparseAttnPrefillGpuSpec(cfg, stride))
-        if mma:
-            specs.append(SparseAttnPrefillMmaSpec(cfg, stride))
-        if mfma:
-            specs.append(SparseAttnPrefillMfmaSpec(cfg, stride))
+            specs += [decode(cfg.replace(decode_query_len=L), stride) for decode, _ in gpu_attends]
+        specs += [prefill(cfg, stride) for _, prefill in gpu_attends]
         if target in InsertKvGpuSpec.targets:
             specs.append(InsertKvGpuSpec(cfg, stride))
         specs += [cls(cfg, stride) for cls in (BuildPrefillTableSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec,

@@ -23,10 +23,9 @@ import torch.utils.dlpack
 from . import checks
 from .compile import DRIVERS, check_target, runtime_version
 from .config import DTYPES, MsaConfig, dtype_name
-from .kernels import (InsertKvGpuSpec, InsertKvSpec, KernelSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec, SparseAttnDecodeSpec,
-                      SparseAttnDecodeMfmaEmulatedSpec, SparseAttnDecodeMfmaSpec, SparseAttnPrefillGpuSpec,
-                      SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPrefillMfmaSpec, SparseAttnPrefillMmaSpec,
-                      SparseAttnPrefillSpec, SparsePagedAttendSpec, storage_dtype)
+from .kernels import (GPU_ATTEND, NATIVE_MATRIX, InsertKvGpuSpec, InsertKvSpec, KernelSpec, RebaseBlockTableSpec,
+                      SparseAttnDecodeGpuSpec, SparseAttnDecodeSpec, SparseAttnPrefillGpuSpec, SparseAttnPrefillSpec,
+                      SparsePagedAttendSpec, storage_dtype)
 from .layout import BLOCK_SIZE, PAGES_PER_BLOCK, block_page_stride, sides_are_packed
 from .reference import query_token_positions
 
@@ -345,29 +344,17 @@ class _LayerState:
     views: tuple                # the same as IREE views (GPU drivers) or tensors (host)
 
 
-# (target, matrix variant) -> the GPU attend's (decode, prefill) kernels. "mfma" on cuda is the
-# gfx942 kernel with its MFMAs emulated: it proves that kernel's numerics on an NVIDIA GPU (slow).
-_GPU_ATTEND = {
-    ("cuda", "fma"): (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec),
-    ("gfx942", "fma"): (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec),
-    ("cuda", "mma"): (SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec),
-    ("gfx942", "mfma"): (SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaSpec),
-    ("cuda", "mfma"): (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnPrefillMfmaEmulatedSpec),
-}
-_NATIVE_MATRIX = {"cuda": "mma", "gfx942": "mfma"}
-
-
 def _gpu_matrix(target, cfg, gpu_matrix):
     """The GPU attend variant to use: `gpu_matrix` checked against the target and config; "auto"
     is the target's matrix-core kernel where it supports cfg (mma on cuda, mfma on gfx942), else fma."""
     if gpu_matrix not in ("auto", "fma", "mma", "mfma"):
         raise ValueError(f"gpu_matrix: expected 'auto', 'fma', 'mma' or 'mfma', got {gpu_matrix!r}")
     if gpu_matrix == "auto":
-        native = _NATIVE_MATRIX.get(target)
-        return native if native and _GPU_ATTEND[target, native][0].supports(cfg) else "fma"
+        native = NATIVE_MATRIX.get(target)
+        return native if native and GPU_ATTEND[native, target][0].supports(cfg) else "fma"
     if gpu_matrix == "fma":
         return "fma"
-    specs = _GPU_ATTEND.get((target, gpu_matrix))
+    specs = GPU_ATTEND.get((gpu_matrix, target))
     if specs is None or not specs[0].supports(cfg):
         where = "a cuda target" if gpu_matrix == "mma" else "a gfx942 (or, emulated for tests, cuda) target"
         raise ValueError(f"gpu_matrix={gpu_matrix!r}: expected {where}, 8 or 16 heads per KV head and an fp8 or "
@@ -398,7 +385,7 @@ class SparseAttention:
         self.gpu_decode = (self.kernels.target in SparseAttnDecodeGpuSpec.targets
                            and SparseAttnDecodeGpuSpec.supports(self.cfg))
         self.gpu_matrix = _gpu_matrix(self.kernels.target, self.cfg, gpu_matrix)
-        self.decode_spec, self.prefill_spec = _GPU_ATTEND[self.kernels.target, self.gpu_matrix] \
+        self.decode_spec, self.prefill_spec = GPU_ATTEND[self.gpu_matrix, self.kernels.target] \
             if self.gpu_decode else (SparseAttnDecodeGpuSpec, SparseAttnPrefillGpuSpec)
 
     # the folded page views the modules read: [pages * H, ...] (id = page * H + head)

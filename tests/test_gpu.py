@@ -14,7 +14,7 @@ import torch
 from msa_iree import reference as R
 from msa_iree import testing
 from msa_iree.config import DTYPES, MsaConfig
-from msa_iree.kernels import SparseAttnDecodeGpuSpec, storage_dtype
+from msa_iree.kernels import GPU_ATTEND, SparseAttnDecodeGpuSpec, storage_dtype
 from msa_iree.runtime import module_scale
 
 pytestmark = pytest.mark.gpu
@@ -66,25 +66,18 @@ def _poisoned_workspace(spec, num_tokens):
 
 def _decode_spec(matrix, kv="bf16"):
     """The decode attend of one matrix variant (mfma: gfx942's, emulated), 16 heads, L=1, interleaved."""
-    from msa_iree import kernels as K
-
-    return {"fma": K.SparseAttnDecodeGpuSpec, "mma": K.SparseAttnDecodeMmaSpec,
-            "mfma": K.SparseAttnDecodeMfmaEmulatedSpec}[matrix](MsaConfig(kv_dtype=kv), 16)
+    return GPU_ATTEND[matrix, "cuda"][0](MsaConfig(kv_dtype=kv), 16)
 
 
 def _variants(prefill):
     """(case, spec class) for every GPU decode case: the portable FMA kernel, and where they apply
     the tensor-core (mma) kernel CUDA serves with and gfx942's MFMA kernel with its MFMAs emulated
     (its numerics, proven here)."""
-    from msa_iree import kernels as K
-
-    variants = {"fma": (K.SparseAttnDecodeGpuSpec, K.SparseAttnPrefillGpuSpec),
-                "mma": (K.SparseAttnDecodeMmaSpec, K.SparseAttnPrefillMmaSpec),
-                "mfma": (K.SparseAttnDecodeMfmaEmulatedSpec, K.SparseAttnPrefillMfmaEmulatedSpec)}
     out = []
     for c in testing.GPU_DECODE_CASES:
         cfg = MsaConfig(num_heads=c[0], num_kv_heads=c[1], kv_dtype=c[2], query_dtype=c[3])
-        for name, (decode, prefill_cls) in variants.items():
+        for name in ("fma", "mma", "mfma"):
+            decode, prefill_cls = GPU_ATTEND[name, "cuda"]
             if decode.supports(cfg):
                 out.append(pytest.param(*c, prefill_cls if prefill else decode,
                                         id=f"{name}-h{c[0]}kv{c[1]}-{c[2]}-L{c[4]}-s{c[5]}-{c[6]}"))
