@@ -613,7 +613,8 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     def workspace_floats(self, num_tokens: int) -> int:
         """f32 elements of the workspace `main` takes after the output (the split partials o and
         (m, l) of rows x splits x G heads, 130 floats each; the template uses 16 splits up to 16
-        rows, halving per doubling, 1 from 256: rows x splits <= max(256, rows))."""
+        rows, halving per doubling, 1 from 256: rows x splits <= max(256, rows)). An upper bound
+        for the MFMA variant, whose partials take 67 (f16 o, 3 floats) and fp8 rows <= 8 splits."""
         rows = num_tokens * self.cfg.num_kv_heads
         return max(256, rows) * self.cfg.group_size * 130
 
@@ -716,6 +717,10 @@ class SparseAttnDecodeMfmaSpec(_MatrixCoreSpec):
     lane layout and the wave-per-page structure are described in kernels_mlir/mfma_split.j2).
     8 or 16 heads per KV head; the cache holds the query's dtype, or fp8 (e4m3fn / e4m3fnuz: then both
     products run in f16, the fp8 bytes decoded exactly a word at a time, queries clamped to +-65504).
+    A split's partial o goes to the workspace in f16, relative to its head's largest |o| (that scale
+    in f32 next to (m, l)), and fp8 rows split at most 8 ways: the bytes between the two dispatches
+    stay under 10% of the K/V bytes a row reads (a gfx942 target of tools/PERF.md; f32 partials
+    were 13% for bf16 and 25% for fp8 at 16 splits).
     NOT RUN: no AMD GPU was available. Its numerics are proven by SparseAttnDecodeMfmaEmulatedSpec,
     the same text with each MFMA emulated, on CUDA (tests/test_gpu.py)."""
 

@@ -335,3 +335,25 @@ def test_what_no_row_may_see_is_never_read(cuda_kernels, matrix):
     out = out.cpu()
     assert not out.isnan().any()
     assert (out.float() - ref.float()).abs().max() < 1.7e-2
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+def test_mfma_writes_under_a_tenth_of_the_kv_between_its_dispatches(cuda_kernels, kv):
+    """gfx942's target: the bytes @split leaves in the workspace for @merge stay under 10% of the
+    K/V bytes a row reads (16 full blocks), at every split count. Measured, not computed: the
+    workspace starts as all-ones bytes and every 16-bit unit the call changed counts as written
+    (the emulated MFMA attend runs gfx942's text, partial layout and split rule included)."""
+    spec = _decode_spec("mfma", kv)
+    dev = torch.device("cuda")
+    kv_bytes_per_row = 16 * 128 * 128 * 2 * DTYPES[kv].itemsize
+    for batch in (3, 16, 17, 32, 33, 64, 65, 128):
+        c = testing.decode_case([3000 + 7 * i for i in range(batch)], kv_dtype=DTYPES[kv], seed=batch, keep_own_prob=1.0)
+        ws = torch.full((spec.workspace_floats(batch),), -1, dtype=torch.int32, device=dev)
+        out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device=dev)
+        cuda_kernels.run(spec, *[a.to(dev) for a in _module_operands(c, c.seq_lens)], out=[out, ws.view(torch.float32)])
+        written = int((ws.view(torch.int16) != -1).sum()) * 2
+        assert 0 < written < 0.10 * kv_bytes_per_row * batch, (batch, written / (kv_bytes_per_row * batch))
+        ref = torch.empty_like(c.q)
+        R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref,
+                             c.k_scale, c.v_scale)
+        assert (out.cpu().float() - ref.float()).abs().max() < 1.7e-2, batch
