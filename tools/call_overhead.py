@@ -36,6 +36,8 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-dtype", default="bf16")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile N forward calls (cProfile) and print the 20 costliest functions")
     a = p.parse_args()
     dev = torch.device("cuda")
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False)
@@ -58,6 +60,16 @@ def main():
     print(f"decode B={a.batch} heads={a.heads} kv={a.kv_dtype}, host-clock medians:")
     for k, v in rows.items():
         print(f"  {k:42s} {v:8.1f} us")
+    if a.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(a.profile):
+            fwd()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":
