@@ -614,7 +614,8 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
         """f32 elements of the workspace `main` takes after the output (the split partials o and
         (m, l) of rows x splits x G heads, 130 floats each; the template uses 16 splits up to 16
         rows, halving per doubling, 1 from 256: rows x splits <= max(256, rows)). An upper bound
-        for the MFMA variant, whose partials take 67 (f16 o, 3 floats) and fp8 rows <= 8 splits."""
+        for the MFMA variant: its partials take 67 floats' room per (row, split, head) (o in f16,
+        then m, l and o's scale) and its fp8 rows at most 8 splits."""
         rows = num_tokens * self.cfg.num_kv_heads
         return max(256, rows) * self.cfg.group_size * 130
 
