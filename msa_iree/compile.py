@@ -147,14 +147,32 @@ def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=No
     return vmfb, key, False
 
 
+def launch_plan(spec, target: str, extra_flags=()):
+    """`main` lowered to HAL, from which msa_iree.launch launches the kernel on torch's stream:
+    for the cuda GPU-level kernels that write in place (`spec.output_storage`), else None."""
+    if target != "cuda" or not getattr(spec, "output_storage", False):
+        return None
+    from .launch import hal_main
+
+    key = content_key(spec, target, extra_flags)
+    cached = cache_dir() / target / f"{spec.name}.{key[:16]}.main-hal.mlir"
+    if cached.exists():
+        return cached.read_text()
+    text = compile_mlir(export_mlir(spec), target, spec.target_flags(target) + list(extra_flags) + ["--compile-to=hal"])
+    main = hal_main(text.decode() if isinstance(text, bytes) else text)
+    _atomic_write(cached, main.encode())
+    return main
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 def _intact(out: pathlib.Path, entry: dict) -> bool:
-    """The manifest entry's vmfb exists in `out` with the recorded sha256."""
-    f = out / entry["file"]
-    return f.exists() and sha256(f.read_bytes()) == entry["sha256"]
+    """The manifest entry's vmfb (and launch plan, if it has one) exist in `out` with the
+    recorded sha256."""
+    files = [entry] + ([entry["launch_plan"]] if "launch_plan" in entry else [])
+    return all((out / f["file"]).exists() and sha256((out / f["file"]).read_bytes()) == f["sha256"] for f in files)
 
 
 def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), emit_mlir=False,
@@ -182,7 +200,8 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1,
             vmfb_path = out / f"{spec.name}.vmfb"
             entry = old_kernels.get(spec.name)
             isa_ok = target != "gfx942" or (out / "isa" / spec.name).is_dir()
-            if entry and entry["content_key"] == key and not emit_mlir and isa_ok and _intact(out, entry):
+            plan_ok = not (target == "cuda" and getattr(spec, "output_storage", False)) or "launch_plan" in (entry or {})
+            if entry and entry["content_key"] == key and not emit_mlir and isa_ok and plan_ok and _intact(out, entry):
                 kernels[spec.name] = entry
                 log(f"[{target} {i}/{len(todo)}] {spec.name}: up to date")
                 continue
@@ -192,6 +211,11 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1,
             _atomic_write(vmfb_path, vmfb)
             kernels[spec.name] = {"file": vmfb_path.name, "sha256": sha256(vmfb), "content_key": key,
                                   **spec.describe()}
+            plan = launch_plan(spec, target, extra_flags)
+            if plan is not None:  # msa_iree.launch: the kernel on torch's stream
+                plan_path = out / f"{spec.name}.main-hal.mlir"
+                _atomic_write(plan_path, plan.encode())
+                kernels[spec.name]["launch_plan"] = {"file": plan_path.name, "sha256": sha256(plan.encode())}
             log(f"[{target} {i}/{len(todo)}] {spec.name}: {'cached' if hit else 'compiled'} "
                 f"({len(vmfb) // 1024} KiB, {time.perf_counter() - t0:.1f} s)")
         manifest = {"msa_iree_version": __version__, "request_key": request_key,

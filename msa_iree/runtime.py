@@ -87,11 +87,16 @@ class KernelLibrary:
 
     _devices: dict[str, object] = {}
 
-    def __init__(self, target: str = "host", build_dir=None, *, compile_missing=True, log=None):
+    def __init__(self, target: str = "host", build_dir=None, *, compile_missing=True, log=None,
+                 stream_launch: bool = True):
         self.target = check_target(target)
         self.driver = DRIVERS[target]
         self.build_dir = pathlib.Path(build_dir) if build_dir else None
         self.compile_missing = compile_missing
+        # cuda: in-place kernels whose build saved a launch plan run on torch's current stream
+        # (msa_iree.launch: queued, not waited for); else through IREE's synchronous call
+        self.stream_launch = stream_launch and self.driver == "cuda"
+        self._stream_kernels = {}
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.manifest = self._read_manifest() if self.build_dir else {"kernels": {}}
         self._functions = {}
@@ -169,6 +174,29 @@ class KernelLibrary:
                                f"(the kernel converts fp8 in hardware), got {have[0]}.{have[1]}; "
                                "use a bf16/fp16 KV cache on this GPU")
 
+    def stream_kernel(self, spec: KernelSpec):
+        """The kernel as a msa_iree.launch.StreamKernel when this library launches on torch's
+        stream and the build saved the kernel's launch plan; else None (IREE's call)."""
+        sk = self._stream_kernels.get(spec.name, False)
+        if sk is False:
+            sk = None
+            entry = self.manifest["kernels"].get(spec.name) if self.stream_launch else None
+            if entry is not None and "launch_plan" in entry:
+                from .launch import StreamKernel
+
+                self._check_arch(spec)
+                vmfb, plan = (self._verified(e) for e in (entry, entry["launch_plan"]))
+                sk = StreamKernel(spec.name, vmfb, plan.decode())
+            self._stream_kernels[spec.name] = sk
+        return sk
+
+    def _verified(self, entry) -> bytes:
+        data = (self.build_dir / entry["file"]).read_bytes()
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise BuildMismatchError(f"{self.build_dir / entry['file']}: sha256 differs from the manifest; "
+                                     "the build is corrupt or was modified: rebuild it")
+        return data
+
     @property
     def zero_copy(self) -> bool:
         """True on GPU drivers: torch GPU tensors go in and come out through DLPack, uncopied."""
@@ -207,21 +235,46 @@ class KernelLibrary:
         return dst
 
     def run(self, spec: KernelSpec, *args, out_dtypes=(), out=None):
-        """Call a kernel on torch tensors; the call returns when the kernel has finished.
+        """Call a kernel on torch tensors; the call returns when the kernel has finished, except
+        for a stream launch (see `stream_kernel`), which returns once the kernel is queued on the
+        current stream (torch work after it on that stream sees its results).
 
         out: for kernels whose module takes its result storage (GPU-level kernels, `spec.
         output_storage`), the torch tensors the results are written into, in place; returned.
         Otherwise returns new torch tensors of `out_dtypes` (on the GPU for GPU drivers)."""
-        if self.zero_copy and any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args):
-            torch.cuda.current_stream().synchronize()  # IREE runs on its own stream: inputs must be ready
         if out is not None:
             if not getattr(spec, "output_storage", False):
                 raise ValueError(f"out: {spec.name} allocates its own results; call it without out=")
+            sk = self.stream_kernel(spec)
+            if sk is not None:
+                return self._launch_on_stream(sk, args, out)
+        if self.zero_copy and any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args):
+            torch.cuda.current_stream().synchronize()  # IREE runs on its own stream: inputs must be ready
+        if out is not None:
             self.function(spec)(*[self.to_iree(a) for a in (*args, *out)])
             return list(out)
         result = self.function(spec)(*[self.to_iree(a) for a in args])
         results = result if isinstance(result, (tuple, list)) else (result,)
         return [self.to_torch(r, d) for r, d in zip(results, out_dtypes)]
+
+    @staticmethod
+    def _launch_on_stream(sk, args, out):
+        """Queue the kernel on the current stream of the output's device: stream-ordered with the
+        torch work around it, so nothing is synchronised (the call returns before the kernel ends)."""
+        device = out[0].device
+        tensors = []
+        for i, t in enumerate((*args, *out)):
+            if not isinstance(t, torch.Tensor) or t.device != device:
+                raise ValueError(f"operand {i}: expected a torch tensor on {device} (a stream launch reads "
+                                 f"device memory), got {t.device if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if not t.is_contiguous():
+                if i >= len(args):
+                    raise ValueError(f"out[{i - len(args)}]: expected a contiguous tensor (written in place), got "
+                                     f"strides {t.stride()}")
+                t = t.contiguous()
+            tensors.append(t)
+        sk(tensors, torch.cuda.current_stream(device).cuda_stream)
+        return list(out)
 
 
 # ---- per-step metadata (SPEC §7) -------------------------------------------------------------
@@ -424,22 +477,32 @@ class SparseAttention:
         kp, vp = self._folded(k_cache), self._folded(v_cache)
         ks, vs = self._scales(k_scale, v_scale)
         operands = (kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), self.scale_tensor, ks, vs)
-        # only a zero-copy view can be reused (it reads the tensor's current bytes); anything
-        # IREE would copy (host driver, a strided scale) is imported again on every call
-        views = tuple(self.kernels.to_iree(t) if self.kernels.zero_copy and t.is_cuda and t.is_contiguous() else t
-                      for t in operands)
+        if self.kernels.stream_launch:
+            # launched on torch's stream: the tensors themselves, contiguous once here
+            views = tuple(t.contiguous() for t in operands)
+        else:
+            # only a zero-copy view can be reused (it reads the tensor's current bytes); anything
+            # IREE would copy (host driver, a strided scale) is imported again on every call
+            views = tuple(self.kernels.to_iree(t) if self.kernels.zero_copy and t.is_cuda and t.is_contiguous() else t
+                          for t in operands)
         # operands keeps the memory the views point at alive
         self._layer = _LayerState(stride, kp, vp, ks, vs, operands, views)
         self._layer_key = key
         return self._layer
 
     def _step_views(self, phase, *names):
-        """IREE views of a phase's metadata tensors, imported by the first layer of a step and
-        reused by the others (they share the step's metadata)."""
+        """IREE views of a phase's metadata tensors (for stream launches the tensors, on the
+        device), made by the first layer of a step and reused by the others (they share the
+        step's metadata)."""
         cache = phase.__dict__.setdefault("_iree_views", {})
         views = cache.get(id(self.kernels))
         if views is None:
-            views = cache[id(self.kernels)] = {n: self.kernels.to_iree(getattr(phase, n)) for n in names}
+            if self.kernels.stream_launch:  # the tensors, on the query's device, contiguous
+                device = self.scale_tensor.device
+                views = {n: getattr(phase, n).to(device).contiguous() for n in names}
+            else:
+                views = {n: self.kernels.to_iree(getattr(phase, n)) for n in names}
+            cache[id(self.kernels)] = views
         return [views[n] for n in names]
 
     def _workspace_for(self, spec, num_tokens, device):
@@ -448,7 +511,8 @@ class SparseAttention:
         need = spec.workspace_floats(num_tokens)
         if self._workspace is None or self._workspace[0].numel() < need or self._workspace[0].device != device:
             ws = torch.empty(max(need, 1 << 20), dtype=torch.float32, device=device)
-            self._workspace = (ws, self.kernels.to_iree(ws) if self.kernels.zero_copy else ws)
+            zero_copy = self.kernels.zero_copy and not self.kernels.stream_launch
+            self._workspace = (ws, self.kernels.to_iree(ws) if zero_copy else ws)
         return self._workspace[1]
 
     def _scales(self, k_scale, v_scale):

@@ -357,3 +357,60 @@ def test_mfma_writes_under_a_tenth_of_the_kv_between_its_dispatches(cuda_kernels
         R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref,
                              c.k_scale, c.v_scale)
         assert (out.cpu().float() - ref.float()).abs().max() < 1.7e-2, batch
+
+
+@functools.cache
+def _iree_call_library():
+    """The same build called through IREE's synchronous invocation (no stream launch)."""
+    from msa_iree.runtime import KernelLibrary
+
+    return KernelLibrary("cuda", BUILD, compile_missing=False, stream_launch=False)
+
+
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+@pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
+def test_stream_launch_writes_what_irees_call_writes(cuda_kernels, matrix, kv, prefill):
+    """msa_iree.launch: the kernel launched on torch's stream from the build's launch plan gives
+    the same bytes as IREE's own call of it (output and workspace), at 16, 4, 2 and 1 splits."""
+    decode_cls, prefill_cls = GPU_ATTEND[matrix, "cuda"]
+    spec = (prefill_cls if prefill else decode_cls)(MsaConfig(kv_dtype=kv), 16)
+    assert cuda_kernels.stream_kernel(spec) is not None, "the build saved no launch plan for it"
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(11)
+    for batch in (5, 40, 100, 300):
+        seq = torch.randint(1, 3000, (batch,), generator=gen).tolist()
+        c = testing.decode_case(seq, kv_dtype=DTYPES[kv], seed=batch)
+        positions = (c.query_req_id, c.query_abs_pos) if prefill else (c.seq_lens,)
+        args = [a.to(dev) for a in _module_operands(c, *positions)]
+        got = []
+        for lib in (cuda_kernels, _iree_call_library()):
+            out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device=dev)
+            ws = torch.zeros(spec.workspace_floats(batch), device=dev)
+            lib.run(spec, *args, out=[out, ws])
+            got.append((out.view(torch.int16).cpu(), ws.cpu()))
+        assert torch.equal(got[0][0], got[1][0]), (batch, "output")
+        assert torch.equal(got[0][1].view(torch.int32), got[1][1].view(torch.int32)), (batch, "workspace")
+
+
+def test_stream_launch_is_ordered_with_torch_work(cuda_kernels):
+    """No synchronisation around a stream launch: the query is produced by torch work queued just
+    before (a long one, so that it is still running when the launch is queued) and the output is
+    consumed by torch work queued just after; the result is still the reference's."""
+    spec = GPU_ATTEND["mma", "cuda"][0](MsaConfig(), 16)
+    assert cuda_kernels.stream_kernel(spec) is not None
+    c = testing.decode_case([300, 2049, 5000, 77], seed=21)
+    dev = torch.device("cuda")
+    args = [a.to(dev) for a in _module_operands(c, c.seq_lens)]
+    torch.cuda.synchronize()
+    busy = torch.randn(4096, 4096, device=dev)
+    q = torch.zeros_like(args[0])
+    for _ in range(20):
+        busy = busy @ busy * 1e-3  # keeps the stream busy for milliseconds
+    q.copy_(args[0] + busy[0, 0] * 0)  # the query, written only after that work
+    out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device=dev)
+    cuda_kernels.run(spec, q, *args[1:], out=[out, torch.empty(spec.workspace_floats(4), device=dev)])
+    seen = out.float() * 1.0  # consumed right away, on the same stream
+    ref = torch.empty_like(c.q)
+    R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref)
+    assert (seen.cpu() - ref.float()).abs().max() < 1.7e-2

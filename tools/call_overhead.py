@@ -1,5 +1,9 @@
 """Where one `SparseAttention.forward` call's wall time goes on a CUDA device (decode, bf16).
 
+With a build that saved launch plans, forward launches on torch's stream (msa_iree.launch) and
+the forward rows are its host time, one call's latency (+ sync) and the per-call time of a decode
+step's 57 calls back to back; the IREE rows call the same module through IREE's runtime.
+
 Times each step of the call path separately (median of many, host clock, the device idle at the
 start of each timed call): the DLPack export and IREE import of one tensor, the torch stream
 sync, the module invocation on prebuilt buffer views (kernel + IREE's own cost: IREE's sync
@@ -54,9 +58,24 @@ def main():
         "to_dlpack + IREE import (1 tensor)": median_us(lambda: device.from_dlpack_capsule(cap())),
         "torch stream sync, idle": median_us(lambda: torch.cuda.current_stream().synchronize()),
         "invoke, prebuilt views (kernel + IREE)": median_us(lambda: fn(*views)),
-        "lib.run (11 imports + invoke)": median_us(lambda: lib.run(spec, *args[:-2], out=args[-2:])),
+        ("lib.run, stream launch (host time)" if lib.stream_kernel(spec) else "lib.run (11 imports + invoke)"):
+            median_us(lambda: lib.run(spec, *args[:-2], out=args[-2:])),
         "forward (checks + 5 imports + invoke)": median_us(fwd),
     }
+    if lib.stream_kernel(spec) is not None:
+        # forward launches on torch's stream (msa_iree.launch): it returns once the kernels are
+        # queued, so its host time, one call's latency and a serving step's per-call time differ
+        del rows["forward (checks + 5 imports + invoke)"]
+        layers = 57  # sparse layers per MiniMax-M3 decode step
+
+        def step():
+            for _ in range(layers):
+                fwd()
+            torch.cuda.synchronize()
+
+        rows.update({"forward on the stream, host time": median_us(fwd),
+                     "forward on the stream + sync (latency)": median_us(lambda: (fwd(), torch.cuda.synchronize())),
+                     f"{layers} forwards back to back + sync, per call": median_us(step, iters=20) / layers})
     print(f"decode B={a.batch} heads={a.heads} kv={a.kv_dtype}, host-clock medians:")
     for k, v in rows.items():
         print(f"  {k:42s} {v:8.1f} us")

@@ -1,0 +1,209 @@
+"""Stream-ordered launches of the CUDA GPU kernels: IREE's compiled PTX on torch's stream.
+
+IREE's CUDA runtime runs a module on a stream of its own and can neither wait on torch's stream
+nor signal it, so a call into it is synchronous: ~40 us above the kernel on an H200 (tools/PERF.md).
+For the GPU-level kernels, which write into the storage they are given (`spec.output_storage`),
+this module launches the same PTX with the CUDA driver API on torch's current stream instead. What
+IREE's host code would do is read from `main` as IREE lowered it (`--compile-to=hal`, saved next
+to the vmfb at build time, `launch_plan` in the manifest): each dispatch's grid, push constants
+and bindings are computed by interpreting that straight-line code for the operands' shapes, and its
+asserts (operand shapes and element types, the workspace size) are checked the same way. The call
+returns once the kernels are queued, ordered with torch's work like any torch op.
+
+CUDA only. `DispatchPlan` interprets the subset of ops `main` uses and raises on any other, so a
+new IREE version that lowers differently fails loudly; the GPU tests compare every stream-launched
+kernel with IREE's own call of it, byte for byte. Not thread-safe: one `StreamKernel` reuses its
+argument buffers.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+import struct
+
+_BINARY = {"muli": lambda a, b: a * b, "addi": lambda a, b: a + b, "subi": lambda a, b: a - b,
+           "divui": lambda a, b: a // b, "remui": lambda a, b: a % b, "andi": lambda a, b: a & b,
+           "ori": lambda a, b: a | b, "xori": lambda a, b: a ^ b, "shrui": lambda a, b: a >> b,
+           "shli": lambda a, b: a << b, "maxui": max, "minui": min, "maxsi": max, "minsi": min}
+_COMPARE = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "ult": lambda a, b: a < b,
+            "ule": lambda a, b: a <= b, "ugt": lambda a, b: a > b, "uge": lambda a, b: a >= b,
+            "slt": lambda a, b: a < b, "sle": lambda a, b: a <= b, "sgt": lambda a, b: a > b,
+            "sge": lambda a, b: a >= b}
+# HAL element type -> the torch dtypes an operand of it may have (fp8 caches travel as bytes)
+_ELEMENT_DTYPES = {"bf16": ("bfloat16",), "f16": ("float16",), "f32": ("float32",), "i32": ("int32",),
+                   "i8": ("int8", "uint8", "float8_e4m3fn", "float8_e4m3fnuz"),
+                   "ui8": ("uint8", "int8", "float8_e4m3fn", "float8_e4m3fnuz")}
+
+
+def hal_main(hal_text: str) -> str:
+    """`main` of a module compiled with `--compile-to=hal` (what the build saves)."""
+    m = re.search(r"^  util\.func public @main\(.*?^  \}", hal_text, re.S | re.M)
+    if m is None:
+        raise ValueError("hal_text: expected a module with `util.func public @main`, got none")
+    return re.sub(r"\s+loc\(.*$", "", m.group(0), flags=re.M)
+
+
+class DispatchPlan:
+    """`main`'s dispatches, evaluated for given operand shapes and dtypes."""
+
+    def __init__(self, main_text: str):
+        self.lines = [ln.strip() for ln in main_text.splitlines() if ln.strip()]
+
+    def evaluate(self, shapes, dtypes):
+        """[(kernel, grid, [u32 constants], [(operand, byte offset)])], after `main`'s checks
+        (operand shape and element type, its cf.asserts): ValueError naming the operand."""
+        env, functions, dispatches = {}, {}, []
+        lines, i = self.lines, 0
+        while i < len(lines):
+            ln, i = lines[i], i + 1
+            if m := re.fullmatch(r"(%\S+) = arith\.constant (-?\d+|true|false) : \S+", ln):
+                env[m[1]] = {"true": 1, "false": 0}[m[2]] if m[2] in ("true", "false") else int(m[2])
+            elif m := re.fullmatch(r"(%\S+) = arith\.(\w+) (%\S+), (%\S+) : \S+", ln):
+                if m[2] not in _BINARY:
+                    raise NotImplementedError(f"main: arith.{m[2]} is not interpreted ({ln})")
+                env[m[1]] = _BINARY[m[2]](env[m[3]], env[m[4]])
+            elif m := re.fullmatch(r"(%\S+) = arith\.cmpi (\w+), (%\S+), (%\S+) : \S+", ln):
+                env[m[1]] = int(_COMPARE[m[2]](env[m[3]], env[m[4]]))
+            elif m := re.fullmatch(r"(%\S+) = arith\.select (%\S+), (%\S+), (%\S+) : \S+", ln):
+                env[m[1]] = env[m[3]] if env[m[2]] else env[m[4]]
+            elif m := re.fullmatch(r"(%\S+) = arith\.(index_castui|index_cast|extui|trunci) (%\S+) : \S+ to (\S+)", ln):
+                env[m[1]] = env[m[3]] & 0xFFFFFFFF if m[4] == "i32" else env[m[3]]
+            elif m := re.fullmatch(r"(%\S+) = hal\.element_type<(\w+)> : i32", ln):
+                env[m[1]] = m[2]
+            elif m := re.fullmatch(r"(%\S+) = hal\.buffer_view\.dim<%arg(\d+) : !hal\.buffer_view>\[(\d+)\] : index", ln):
+                env[m[1]] = shapes[int(m[2])][int(m[3])]
+            elif m := re.fullmatch(r"(%\S+) = hal\.buffer_view\.buffer<%arg(\d+) : .*", ln):
+                env[m[1]] = int(m[2])
+            elif m := re.fullmatch(r"hal\.buffer_view\.assert<%arg(\d+) : !hal\.buffer_view> message\(\"(\w+)\"\) "
+                                   r"shape\(\[(.*?)\]\) type\((%\S+)\) encoding\(\S+\)", ln):
+                k = int(m[1])
+                want = tuple(env[v.strip()] for v in m[3].split(",")) if m[3].strip() else ()
+                if tuple(shapes[k]) != want:
+                    raise ValueError(f"{m[2]} (operand {k}): expected shape {want}, got {tuple(shapes[k])}")
+                if dtypes[k] not in _ELEMENT_DTYPES.get(env[m[4]], (env[m[4]],)):
+                    raise ValueError(f"{m[2]} (operand {k}): expected element type {env[m[4]]}, got {dtypes[k]}")
+            elif m := re.fullmatch(r"cf\.assert (%\S+), \"(.*)\"", ln):
+                if not env[m[1]]:
+                    raise ValueError(m[2])
+            elif m := re.fullmatch(r"(%\S+) = hal\.executable\.lookup\.function .*::@(\w+)\) : i64", ln):
+                functions[m[1]] = m[2]
+            elif m := re.match(r"hal\.command_buffer\.dispatch<.*\[(%\S+)\] workgroups\(\[(.*?)\]\) "
+                               r"constants\(\[(.*?)\]\) bindings\(\[$", ln):
+                grid = [env[v.strip()] for v in m[2].split(",")]
+                constants = [env[v.strip()] & 0xFFFFFFFF for v in m[3].split(",")] if m[3].strip() else []
+                bindings = []
+                while not lines[i].startswith("])"):
+                    b = re.fullmatch(r"\((%\S+) : !hal\.buffer\)\[(%\S+), (%\S+)\],?", lines[i])
+                    bindings.append((env[b[1]], env[b[2]]))
+                    i += 1
+                dispatches.append((functions[m[1]], grid, constants, bindings))
+            elif re.match(r"(%\S+ = )?(arith|cf|scf)\.", ln):
+                raise NotImplementedError(f"main: not interpreted: {ln}")
+        return dispatches
+
+
+def ptx_of(vmfb: bytes) -> bytes:
+    """The PTX IREE stored in a cuda module (a length-prefixed string in its executable)."""
+    at = vmfb.find(b"//\n// Generated by LLVM NVPTX Back-End")
+    if at < 4:
+        raise ValueError("vmfb: expected a cuda module with PTX, got none")
+    (n,) = struct.unpack_from("<I", vmfb, at - 4)
+    return vmfb[at:at + n].rstrip(b"\0")
+
+
+def ptx_entries(ptx: str) -> dict:
+    """{kernel: (block dims, pointer params, 32-bit params)} of the PTX's entry points."""
+    out = {}
+    for m in re.finditer(r"\.visible \.entry (\w+)\((.*?)\)\s*\.maxntid (\d+), (\d+), (\d+)", ptx, re.S):
+        out[m[1]] = ((int(m[3]), int(m[4]), int(m[5])), m[2].count(".u64"), m[2].count(".b32"))
+    return out
+
+
+def shared_bytes(vmfb: bytes, block) -> int:
+    """Dynamic shared memory IREE launches the module's kernels of `block` threads with: the u32
+    after their block dims in its executable (the largest such, so never too little)."""
+    key = struct.pack("<III", *block)
+    sizes = [struct.unpack_from("<I", vmfb, m.end())[0] for m in re.finditer(re.escape(key), vmfb)]
+    sizes = [s for s in sizes if s <= 227 * 1024]
+    if not sizes:
+        raise ValueError(f"vmfb: expected the shared memory size of its {block} kernels, found none")
+    return max(sizes)
+
+
+class CudaDriver:
+    """The CUDA driver calls a launch needs (libcuda through ctypes; torch made its context current)."""
+
+    _lib = None
+
+    def __init__(self):
+        if CudaDriver._lib is None:
+            CudaDriver._lib = ctypes.CDLL("libcuda.so.1")
+        self.lib = CudaDriver._lib
+
+    def check(self, rc: int, what: str):
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise RuntimeError(f"{what}: {name.value.decode() if name.value else rc}")
+
+    def load(self, ptx: bytes, names):
+        module = ctypes.c_void_p()
+        self.check(self.lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(ptx + b"\0")), "cuModuleLoadData")
+        functions = {}
+        for name in names:
+            fn = ctypes.c_void_p()
+            self.check(self.lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), f"cuModuleGetFunction {name}")
+            functions[name] = fn
+        return module, functions
+
+
+class _Launch:
+    """One dispatch of a plan: its kernel, grid and a reusable argument block."""
+
+    def __init__(self, fn, grid, block, shared, bindings, constants):
+        self.fn, self.grid, self.block, self.shared, self.bindings = fn, grid, block, shared, bindings
+        self.pointers = [ctypes.c_uint64(0) for _ in bindings]
+        self.constants = [ctypes.c_uint32(c) for c in constants]
+        slots = self.pointers + self.constants
+        self.args = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
+
+
+class StreamKernel:
+    """A cuda module's `main`, launched on a given stream (see the module docstring)."""
+
+    def __init__(self, name: str, vmfb: bytes, plan_text: str, driver: CudaDriver | None = None):
+        self.name = name
+        self.driver = driver or CudaDriver()
+        ptx = ptx_of(vmfb)
+        self.entries = ptx_entries(ptx.decode())
+        self.module, self.functions = self.driver.load(ptx, self.entries)
+        self.shared = {n: shared_bytes(vmfb, e[0]) for n, e in self.entries.items()}
+        self.plan = DispatchPlan(plan_text)
+        self._launches = {}
+
+    def _prepare(self, tensors, key):
+        shapes = [tuple(t.shape) for t in tensors]
+        dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
+        launches = []
+        for name, grid, constants, bindings in self.plan.evaluate(shapes, dtypes):
+            block, n_pointers, n_words = self.entries[name]
+            if (len(bindings), len(constants)) != (n_pointers, n_words):
+                raise RuntimeError(f"{self.name}: main passes {name} {len(bindings)} bindings and {len(constants)} "
+                                   f"constants, its PTX takes {n_pointers} and {n_words}")
+            launches.append(_Launch(self.functions[name], grid, block, self.shared[name], bindings, constants))
+        self._launches[key] = launches
+        return launches
+
+    def __call__(self, tensors, stream: int):
+        """Queue `main` on `stream` (a CUstream handle) over contiguous CUDA tensors in `main`'s
+        operand order; the plan for their shapes and dtypes is worked out once and reused."""
+        key = tuple((t.shape, t.dtype) for t in tensors)
+        launches = self._launches.get(key) or self._prepare(tensors, key)
+        lib = self.driver.lib
+        for d in launches:
+            for slot, (k, offset) in zip(d.pointers, d.bindings):
+                slot.value = tensors[k].data_ptr() + offset
+            rc = lib.cuLaunchKernel(d.fn, d.grid[0], d.grid[1], d.grid[2], d.block[0], d.block[1], d.block[2],
+                                    d.shared, ctypes.c_void_p(stream), d.args, None)
+            if rc:
+                self.driver.check(rc, f"{self.name}: cuLaunchKernel")

@@ -1,0 +1,98 @@
+"""msa_iree.launch on the CPU machine: the launch plan a cuda build saves, interpreted for given
+operand shapes, gives the grids the template's split rule implies, passes as many bindings and
+constants as the PTX takes, and refuses what IREE's own call would refuse. The launches
+themselves run on a GPU (tests/test_gpu.py compares them byte for byte with IREE's call)."""
+import json
+
+import pytest
+
+from msa_iree import compile as C
+from msa_iree import kernels as K
+from msa_iree.config import MsaConfig
+from msa_iree.launch import DispatchPlan, ptx_entries, ptx_of, shared_bytes
+
+MMA = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16)                      # 16 heads, 1 KV head
+FMA = K.SparseAttnDecodeGpuSpec(MsaConfig(num_heads=16, num_kv_heads=2), 8)          # 8 heads, 2 KV heads
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cuda")
+    C.build(None, ["cuda"], out, specs=[MMA, FMA], log=lambda m: None)
+    return out, json.loads((out / "manifest.json").read_text())["kernels"]
+
+
+def _plan(build, spec):
+    out, kernels = build
+    return DispatchPlan((out / kernels[spec.name]["launch_plan"]["file"]).read_text())
+
+
+def _operands(spec, tokens, workspace=None):
+    """(shapes, dtypes) of `main`'s operands for a decode batch of `tokens` tokens."""
+    c = spec.cfg
+    hq, h = c.num_heads, c.num_kv_heads
+    ws = spec.workspace_floats(tokens) if workspace is None else workspace
+    shapes = [(tokens, hq, 128), (4000, 2048), (4000, 2048), (h, tokens, 16), (tokens, 40), (tokens,), (1,),
+              (h, 1), (h, 1), (tokens, hq, 128), (ws,)]
+    dtypes = ["bfloat16"] * 3 + ["int32"] * 3 + ["float32"] * 3 + ["bfloat16", "float32"]
+    return shapes, dtypes
+
+
+def _splits(rows):
+    """The template's rule: 16 splits up to 16 rows, halving per doubling, 1 from 129 rows."""
+    for limit, n in ((16, 16), (32, 8), (64, 4), (128, 2)):
+        if rows <= limit:
+            return n
+    return 1
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 17, 40, 64, 65, 128, 300])
+def test_grids_follow_the_split_rule(build, tokens):
+    rows = tokens  # the mma spec: one KV head
+    dispatches = _plan(build, MMA).evaluate(*_operands(MMA, tokens))
+    assert [d[0] for d in dispatches] == ["split", "merge"]
+    assert dispatches[0][1] == [_splits(rows), rows, 1]
+    n = _splits(rows)
+    # @merge: one empty workgroup with one split, a workgroup per row up to 4, per (row, head pair) above
+    assert dispatches[1][1] == ([1, 1, 1] if n == 1 else [rows, 1, 1] if n <= 4 else [rows, 8, 1])
+    fma = _plan(build, FMA).evaluate(*_operands(FMA, tokens))
+    assert fma[0][1] == [_splits(2 * tokens), 2 * tokens, 1] and fma[1][1] == [2 * tokens, 8, 1]
+
+
+def test_plans_pass_what_the_ptx_takes(build):
+    out, kernels = build
+    for spec in (MMA, FMA):
+        vmfb = (out / kernels[spec.name]["file"]).read_bytes()
+        entries = ptx_entries(ptx_of(vmfb).decode())
+        assert set(entries) == {"split", "merge"}
+        for name, grid, constants, bindings in _plan(build, spec).evaluate(*_operands(spec, 40)):
+            block, pointers, words = entries[name]
+            assert block == (256, 1, 1) or (name == "merge" and block == (128, 1, 1))
+            assert (len(bindings), len(constants)) == (pointers, words), name
+            assert all(0 <= k < 11 for k, _ in bindings)
+    # the mma split's LDS: row maxima 16 x 8 f32, P fragments 8 x 32 x 4 i32, the block table 16
+    # index + 16 i32 (kernels_mlir/mma_split.j2, the template's TB/TK)
+    vmfb = (out / kernels[MMA.name]["file"]).read_bytes()
+    assert shared_bytes(vmfb, (256, 1, 1)) == 16 * 8 * 4 + 8 * 32 * 4 * 4 + 16 * 8 + 16 * 4
+
+
+def test_plans_refuse_what_iree_refuses(build):
+    plan = _plan(build, MMA)
+    shapes, dtypes = _operands(MMA, 8)
+    with pytest.raises(ValueError, match="input0 .*expected element type bf16, got float16"):
+        plan.evaluate(shapes, ["float16"] + dtypes[1:])
+    with pytest.raises(ValueError, match=r"input9 .*expected shape \(8, 16, 128\), got \(8, 8, 128\)"):
+        plan.evaluate(shapes[:9] + [(8, 8, 128)] + shapes[10:], dtypes)
+    with pytest.raises(ValueError, match="output: expected as many rows as the query"):
+        plan.evaluate(shapes[:9] + [(9, 16, 128)] + shapes[10:], dtypes)
+    with pytest.raises(ValueError, match="workspace"):
+        plan.evaluate(*_operands(MMA, 8, workspace=8 * 16 * 16 * 130 - 1))
+    plan.evaluate(*_operands(MMA, 8, workspace=8 * 16 * 16 * 130))  # exactly enough
+
+
+def test_what_is_not_interpreted_raises():
+    plan = DispatchPlan("%c1 = arith.constant 1 : index\n%x = arith.floordivsi %c1, %c1 : index")
+    with pytest.raises(NotImplementedError, match="floordivsi"):
+        plan.evaluate([], [])
+    with pytest.raises(NotImplementedError, match="scf.if"):
+        DispatchPlan("scf.if %c1 {").evaluate([], [])
