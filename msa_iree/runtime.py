@@ -75,6 +75,14 @@ def module_scale(scale, num_kv_heads):
     return scale.reshape(1, 1).expand(num_kv_heads, 1) if scale.numel() == 1 else scale
 
 
+def _current_raw_stream(device_index: int) -> int:
+    """The CUstream of torch's current stream on a device. torch.cuda.current_stream() builds a
+    Stream object per call (~5-10 us on the H200 host); the raw handle, as Triton reads it, where
+    this torch has it."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+
+
 # ---- module loading --------------------------------------------------------------------------
 
 
@@ -261,19 +269,18 @@ class KernelLibrary:
     def _launch_on_stream(sk, args, out):
         """Queue the kernel on the current stream of the output's device: stream-ordered with the
         torch work around it, so nothing is synchronised (the call returns before the kernel ends)."""
-        device = out[0].device
-        tensors = []
-        for i, t in enumerate((*args, *out)):
-            if not isinstance(t, torch.Tensor) or t.device != device:
-                raise ValueError(f"operand {i}: expected a torch tensor on {device} (a stream launch reads "
+        index = out[0].get_device()
+        tensors = [*args, *out]
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.get_device() != index:
+                raise ValueError(f"operand {i}: expected a torch tensor on {out[0].device} (a stream launch reads "
                                  f"device memory), got {t.device if isinstance(t, torch.Tensor) else type(t).__name__}")
             if not t.is_contiguous():
                 if i >= len(args):
                     raise ValueError(f"out[{i - len(args)}]: expected a contiguous tensor (written in place), got "
                                      f"strides {t.stride()}")
-                t = t.contiguous()
-            tensors.append(t)
-        sk(tensors, torch.cuda.current_stream(device).cuda_stream)
+                tensors[i] = t.contiguous()
+        sk(tensors, _current_raw_stream(index))
         return list(out)
 
 
@@ -558,7 +565,7 @@ class SparseAttention:
         for lo, hi, phase in ((0, nd, metadata.decode), (nd, n, metadata.prefill)):
             if hi == lo:
                 continue
-            q = query[lo:hi]
+            q = _rows(query, lo, hi)
             if emitted:
                 spec = self._spec(SparsePagedAttendSpec, stride)
                 args = (q, kp, vp, sparse_block_table[lo * h:hi * h].reshape(hi - lo, h, -1),
@@ -566,7 +573,7 @@ class SparseAttention:
             elif phase is metadata.decode and self.gpu_decode:
                 spec = self._spec(self.decode_spec, stride, phase.decode_query_len)
                 kpv, vpv, scale_v, ksv, vsv = layer.views
-                args = (q, kpv, vpv, topk[:, lo:hi], *self._step_views(phase, "block_table", "seq_lens"),
+                args = (q, kpv, vpv, _rows(topk, lo, hi, 1), *self._step_views(phase, "block_table", "seq_lens"),
                         scale_v, ksv, vsv)
             elif phase is metadata.decode:
                 spec = self._spec(SparseAttnDecodeSpec, stride, phase.decode_query_len)
@@ -574,20 +581,28 @@ class SparseAttention:
             elif self.gpu_decode:
                 spec = self._spec(self.prefill_spec, stride)
                 kpv, vpv, scale_v, ksv, vsv = layer.views
-                args = (q, kpv, vpv, topk[:, lo:hi],
+                args = (q, kpv, vpv, _rows(topk, lo, hi, 1),
                         *self._step_views(phase, "block_table", "query_req_id", "query_abs_pos"), scale_v, ksv, vsv)
             else:
                 spec = self._spec(SparseAttnPrefillSpec, stride)
                 args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.query_req_id, phase.query_abs_pos, *common)
             if getattr(spec, "output_storage", False):  # (checks.check_out: output is contiguous)
                 ws = self._workspace_for(spec, hi - lo, query.device)
-                self.kernels.run(spec, *args, out=[output[lo:hi], ws])  # written in place
+                self.kernels.run(spec, *args, out=[_rows(output, lo, hi), ws])  # written in place
                 continue
             (o,) = self.kernels.run(spec, *args, out_dtypes=[query.dtype])
             output[lo:hi].copy_(o)
         return output
 
     __call__ = forward
+
+
+def _rows(t, lo, hi, dim=0):
+    """Rows lo:hi of `t` along dim; `t` itself when that is all of it (a slice costs ~1-2 us of
+    host time per call, and a decode-only step takes every row)."""
+    if lo == 0 and hi == t.shape[dim]:
+        return t
+    return t[lo:hi] if dim == 0 else t[:, lo:hi]
 
 
 def insert_kv(kernels: KernelLibrary, key, value, k_cache, v_cache, metadata_or_slots, k_scale=None, v_scale=None, *,
