@@ -270,6 +270,9 @@ class KernelLibrary:
         """Queue the kernel on the current stream of the output's device: stream-ordered with the
         torch work around it, so nothing is synchronised (the call returns before the kernel ends)."""
         index = out[0].get_device()
+        if index < 0:
+            raise ValueError(f"out[0]: expected a CUDA tensor (a stream launch writes device memory), got one on "
+                             f"{out[0].device}")
         tensors = [*args, *out]
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or t.get_device() != index:
@@ -402,6 +405,7 @@ class _LayerState:
     vs: torch.Tensor
     operands: tuple             # (kp flat, vp flat, scale, ks, vs): keeps the viewed memory alive
     views: tuple                # the same as IREE views (GPU drivers) or tensors (host)
+    refresh: tuple = ()         # stream launch: (contiguous copy, strided operand), copied per call
 
 
 def _gpu_matrix(target, cfg, gpu_matrix):
@@ -484,16 +488,20 @@ class SparseAttention:
         kp, vp = self._folded(k_cache), self._folded(v_cache)
         ks, vs = self._scales(k_scale, v_scale)
         operands = (kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), self.scale_tensor, ks, vs)
+        refresh = ()
         if self.kernels.stream_launch:
-            # launched on torch's stream: the tensors themselves, contiguous once here
+            # launched on torch's stream: the tensors themselves; a strided one (a scalar scale
+            # expanded over 2+ KV heads) through a contiguous copy refreshed on every call, so
+            # that a scale changed in place is seen, as IREE's call (which copies it) sees it
             views = tuple(t.contiguous() for t in operands)
+            refresh = tuple((v, t) for v, t in zip(views, operands) if v is not t)
         else:
             # only a zero-copy view can be reused (it reads the tensor's current bytes); anything
             # IREE would copy (host driver, a strided scale) is imported again on every call
             views = tuple(self.kernels.to_iree(t) if self.kernels.zero_copy and t.is_cuda and t.is_contiguous() else t
                           for t in operands)
         # operands keeps the memory the views point at alive
-        self._layer = _LayerState(stride, kp, vp, ks, vs, operands, views)
+        self._layer = _LayerState(stride, kp, vp, ks, vs, operands, views, refresh)
         self._layer_key = key
         return self._layer
 
@@ -562,6 +570,8 @@ class SparseAttention:
                                           min(k_cache.shape[0], v_cache.shape[0]) * h)
         kp, vp = layer.kp, layer.vp
         common = (self.scale_tensor, layer.ks, layer.vs)
+        for copy, strided in layer.refresh:
+            copy.copy_(strided)
         for lo, hi, phase in ((0, nd, metadata.decode), (nd, n, metadata.prefill)):
             if hi == lo:
                 continue

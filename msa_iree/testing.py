@@ -147,6 +147,7 @@ GPU_DECODE_CASES = (
 GPU_SERVING_CASES = (
     ("bf16", "bf16", "interleaved", 1, "tensor"),
     ("fp8_e4m3fn", "bf16", "planes", 1, "token"),
+    ("fp8_e4m3fn", "bf16", "interleaved", 2, "tensor"),  # a scalar scale expanded over 2 KV heads
 )
 
 

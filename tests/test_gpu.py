@@ -414,3 +414,19 @@ def test_stream_launch_is_ordered_with_torch_work(cuda_kernels):
     ref = torch.empty_like(c.q)
     R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref)
     assert (seen.cpu() - ref.float()).abs().max() < 1.7e-2
+
+
+@pytest.mark.parametrize("matrix", ["fma", "mma"])
+def test_a_scale_changed_in_place_is_seen(cuda_kernels, matrix):
+    """Per-tensor fp8 scales over 2 KV heads reach the kernel as a contiguous [2, 1] copy (a stream
+    launch reads memory, not strides): a scale the caller changes in place between steps must be
+    what the next step uses (the serving simulation checks every step against the reference)."""
+    from serving import Server
+
+    s = Server(cuda_kernels, DTYPES["fp8_e4m3fn"], torch.bfloat16, "interleaved", 2, "tensor", seed=5, device="cuda",
+               gpu_matrix=matrix)
+    s.step([], [("a", 300), ("b", 140)], 1)
+    s.k_scale.mul_(1.5)
+    s.v_scale.mul_(0.5)
+    s.step(["a", "b"], [], 1)
+    s.step(["a", "b"], [], 1)
