@@ -430,3 +430,31 @@ def test_a_scale_changed_in_place_is_seen(cuda_kernels, matrix):
     s.v_scale.mul_(0.5)
     s.step(["a", "b"], [], 1)
     s.step(["a", "b"], [], 1)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+def test_forward_is_captured_by_a_cuda_graph(cuda_kernels, kv):
+    """vLLM replays decode steps from CUDA graphs. A forward launched on torch's stream is captured
+    like a torch op: replays with new query values in the same buffer match the reference."""
+    from msa_iree.bench import _decode_setup
+
+    dev = torch.device("cuda")
+    c, attn, out, fwd = _decode_setup(cuda_kernels, dev, 8, 4096, 1, 16, kv, rotations=1)
+    fwd()  # warm-up outside the capture: launch plans, workspace, the step's tensors
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd()
+    gen = torch.Generator(device=dev).manual_seed(3)
+    for _ in range(2):
+        c.q.copy_(torch.randn(c.q.shape, generator=gen, device=dev).to(c.q.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = torch.empty(c.q.shape, dtype=c.q.dtype)
+        cpu = lambda t: None if t is None else t.cpu()
+        R.sparse_attn_decode(c.q.cpu(), c.k_cache.cpu(), c.v_cache.cpu(), c.topk.cpu(), c.block_table.cpu(),
+                             c.seq_lens.cpu(), 1, 128 ** -0.5, ref, cpu(c.k_scale), cpu(c.v_scale))
+        got = out.cpu()
+        assert not got.isnan().any()
+        # two bf16 roundings of the largest output (fp8 outputs reach |19|) and a little more
+        assert (got.float() - ref.float()).abs().max() < 2 * 2 ** -8 * ref.float().abs().max() + 1e-2

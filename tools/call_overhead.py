@@ -76,6 +76,13 @@ def main():
         rows.update({"forward on the stream, host time": median_us(fwd),
                      "forward on the stream + sync (latency)": median_us(lambda: (fwd(), torch.cuda.synchronize())),
                      f"{layers} forwards back to back + sync, per call": median_us(step, iters=20) / layers})
+        # how vLLM runs decode: the step captured once in a CUDA graph, then replayed
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(layers):
+                fwd()
+        rows[f"CUDA graph of {layers} forwards, replay + sync, per call"] = \
+            median_us(lambda: (graph.replay(), torch.cuda.synchronize()), iters=20) / layers
     print(f"decode B={a.batch} heads={a.heads} kv={a.kv_dtype}, host-clock medians:")
     for k, v in rows.items():
         print(f"  {k:42s} {v:8.1f} us")
