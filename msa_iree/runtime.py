@@ -91,6 +91,11 @@ class KernelLibrary:
 
     A kernel missing from the build is compiled on demand into the shared cache (with a message
     naming the `msa-iree compile` command that prebuilds it).
+
+    stream_launch (cuda): kernels that write in place and whose build saved a launch plan (every
+    cuda build of `msa-iree compile` does) are launched on torch's current stream by
+    msa_iree.launch, queued rather than waited for, and capturable by CUDA graphs; False calls
+    them through IREE's runtime, which runs them on its own stream and waits for them.
     """
 
     _devices: dict[str, object] = {}
