@@ -9,8 +9,10 @@ its own block always among them):
   wall(n1)) / (n2 - n1)): kernel time plus IREE's launch gaps inside an invocation; consecutive
   calls read block tables of different rotations, mapping to different blocks of a >= 256 MiB
   pool, so the L2 stays cold;
-- call_us: one synchronous module call from Python (lib.run: DLPack in and out), and
-  forward_us: one SparseAttention.forward (checks + call + copy into `output`), medians;
+- call_us: one module call from Python (lib.run; on cuda launched on torch's stream, msa_iree.launch),
+  and forward_us: one SparseAttention.forward (checks + call), each waited for (+ sync), medians;
+- graph_us (cuda, stream launches): per forward of 57 forwards over 16 block-table rotations
+  captured in a CUDA graph and replayed (how vLLM runs decode; no L2 flush inside the replay);
 - torch_us: torch eager's reference attend over the prebuilt page table (CUDA events, median);
 - GB/s counts the selected K and V bytes the queries see, divided by kernel_us, and % copy
   relates it to a device-to-device copy measured in the same run.
@@ -204,7 +206,31 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
         t1 = wall_us(lambda: chain(*iree_args, n1), 3, device)
         t2 = wall_us(lambda: chain(*iree_args, n2), 3, device)
         row["chained_us"] = (t2 - t1) / (n2 - n1)
+        if lib.stream_kernel(spec) is not None:
+            row["graph_us"] = graph_us(lib, device, c, attn, out, iters)
     return row
+
+
+def graph_us(lib, device, c, attn, out, iters, layers=57):
+    """Per forward of a decode step replayed from a CUDA graph, as vLLM runs decode: `layers`
+    forwards (launched on torch's stream, so captured), each over the next rotation of the block
+    table (other blocks, as each layer's own cache would be), captured once; median wall time of a
+    replay + sync, divided by `layers`."""
+    batch = c.q.shape[0] // c.L
+    builder = MetadataBuilder(max_num_seqs=batch, max_model_len=c.context, kernels=lib, device=device)
+    qsl = torch.arange(0, batch * c.L + 1, c.L, dtype=torch.int32, device=device)
+    steps = [builder.build(bt.contiguous(), c.seq_lens, qsl, c.seq_lens - c.L, decode_query_len=c.L, num_decodes=batch)
+             for bt in c.bt_rot]
+    calls = [lambda md=md: attn.forward(c.q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale)
+             for md in steps]
+    for call in calls:  # outside the capture: each step's tensors, the launch plan, the workspace
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(layers):
+            calls[i % len(calls)]()
+    return wall_us(graph.replay, iters, device) / layers
 
 
 def add_kernel_time(lib, device, row, rotations=16):
@@ -270,16 +296,17 @@ def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_le
 
 def format_table(rows, copy_GBps):
     head = (f"{'phase':>7} {'matrix':>6} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'L':>4} {'kernel us':>9} {'GB/s':>6} {'%copy':>5} "
-            f"{'chain us':>8} {'call us':>8} {'fwd us':>8} {'fwd/k':>5} {'torch us':>9} {'x torch':>7} {'max err':>8}")
+            f"{'chain us':>8} {'call us':>8} {'fwd us':>8} {'fwd/k':>5} {'graph us':>8} {'torch us':>9} {'x torch':>7} {'max err':>8}")
     lines = [f"device-to-device copy: {copy_GBps:.0f} GB/s", head]
     for r in rows:
         k = f"{r['kernel_us']:9.1f}" if r.get("kernel_us") else f"{'-':>9}"
         call = f"{r['call_us']:8.1f}" if r.get("call_us") else f"{'-':>8}"
         chain = f"{r['chained_us']:8.1f}" if r.get("chained_us") else f"{'-':>8}"
         ratio = f"{r['forward_over_kernel']:5.2f}" if r.get("forward_over_kernel") else f"{'-':>5}"
+        graph = f"{r['graph_us']:8.1f}" if r.get("graph_us") else f"{'-':>8}"
         lines.append(f"{r['phase']:>7} {r.get('matrix', 'auto'):>6} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} {r['batch']:>4} {r['context']:>6} "
                      f"{r['L']:>4} {k} {r['GBps']:6.0f} {100 * r['GBps'] / copy_GBps:5.1f} {chain} {call} "
-                     f"{r['forward_us']:8.1f} {ratio} {r['torch_us']:9.1f} {r['x_torch']:7.2f} {r['max_abs_err']:8.1e}")
+                     f"{r['forward_us']:8.1f} {ratio} {graph} {r['torch_us']:9.1f} {r['x_torch']:7.2f} {r['max_abs_err']:8.1e}")
     return "\n".join(lines)
 
 
