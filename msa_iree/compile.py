@@ -149,8 +149,9 @@ def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=No
 
 def launch_plan(spec, target: str, extra_flags=()):
     """`main` lowered to HAL, from which msa_iree.launch launches the kernel on torch's stream:
-    for the cuda GPU-level kernels that write in place (`spec.output_storage`), else None."""
-    if target != "cuda" or not getattr(spec, "output_storage", False):
+    for the cuda GPU-level kernels that write only into their operands (`spec.written_operands`),
+    else None."""
+    if target != "cuda" or not getattr(spec, "written_operands", None):
         return None
     from .launch import hal_main
 
@@ -200,7 +201,7 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1,
             vmfb_path = out / f"{spec.name}.vmfb"
             entry = old_kernels.get(spec.name)
             isa_ok = target != "gfx942" or (out / "isa" / spec.name).is_dir()
-            plan_ok = not (target == "cuda" and getattr(spec, "output_storage", False)) or "launch_plan" in (entry or {})
+            plan_ok = not (target == "cuda" and getattr(spec, "written_operands", None)) or "launch_plan" in (entry or {})
             if entry and entry["content_key"] == key and not emit_mlir and isa_ok and plan_ok and _intact(out, entry):
                 kernels[spec.name] = entry
                 log(f"[{target} {i}/{len(todo)}] {spec.name}: up to date")

@@ -580,6 +580,9 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     # `main` takes the output tensor and a workspace (workspace_floats) last and writes into them
     # (iree.abi.output): the call allocates nothing (an allocation cost ~100 us of host time per call)
     output_storage = True
+    # main writes only into operands it is given: msa_iree.launch can run it on torch's stream
+    # (the output and the workspace, the last two operands)
+    written_operands = (-2, -1)
     prefill = False
     mma = False
     min_ctas_per_sm = None  # workgroups per SM asked of ptxas (mma variant only; caps its registers)
@@ -775,6 +778,7 @@ class InsertKvGpuSpec(_TemplateSpec):
     kernel = "insert_kv_gpu"
     template = "insert_kv_gpu.mlir.j2"
     targets = ("cuda", "gfx942")
+    written_operands = (0,)  # the cache (see SparseAttnDecodeGpuSpec.written_operands)
 
     @property
     def variant(self):

@@ -68,10 +68,11 @@ DLPACK_DEVICE_TYPE = {"cuda": 2, "hip": 10}
 DRIVER_FLAGS = {"cuda": ("--cuda_use_streams=true",), "hip": ("--hip_use_streams=true",)}
 
 
-def module_scale(scale, num_kv_heads):
-    """The modules' scale operand, [H, S] fp32: S = 1 for one scale (or none), else per-token slots."""
+def module_scale(scale, num_kv_heads, device=None):
+    """The modules' scale operand, [H, S] fp32: S = 1 for one scale (or none: ones on `device`),
+    else per-token slots."""
     if scale is None:
-        return torch.ones(1, 1).expand(num_kv_heads, 1)
+        return torch.ones(1, 1, device=device).expand(num_kv_heads, 1)
     return scale.reshape(1, 1).expand(num_kv_heads, 1) if scale.numel() == 1 else scale
 
 
@@ -255,12 +256,12 @@ class KernelLibrary:
         out: for kernels whose module takes its result storage (GPU-level kernels, `spec.
         output_storage`), the torch tensors the results are written into, in place; returned.
         Otherwise returns new torch tensors of `out_dtypes` (on the GPU for GPU drivers)."""
-        if out is not None:
-            if not getattr(spec, "output_storage", False):
-                raise ValueError(f"out: {spec.name} allocates its own results; call it without out=")
+        if out is not None and not getattr(spec, "output_storage", False):
+            raise ValueError(f"out: {spec.name} allocates its own results; call it without out=")
+        if getattr(spec, "written_operands", None):
             sk = self.stream_kernel(spec)
             if sk is not None:
-                return self._launch_on_stream(sk, args, out)
+                return self._launch_on_stream(sk, [*args, *(out or ())], spec.written_operands, out)
         if self.zero_copy and any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args):
             torch.cuda.current_stream().synchronize()  # IREE runs on its own stream: inputs must be ready
         if out is not None:
@@ -271,25 +272,27 @@ class KernelLibrary:
         return [self.to_torch(r, d) for r, d in zip(results, out_dtypes)]
 
     @staticmethod
-    def _launch_on_stream(sk, args, out):
-        """Queue the kernel on the current stream of the output's device: stream-ordered with the
-        torch work around it, so nothing is synchronised (the call returns before the kernel ends)."""
-        index = out[0].get_device()
+    def _launch_on_stream(sk, operands, written, out):
+        """Queue the kernel on the current stream of the device of the operand it writes:
+        stream-ordered with the torch work around it, so nothing is synchronised (the call returns
+        before the kernel ends). `written`: the indices of the operands the kernel writes."""
+        first = operands[written[0]]
+        index = first.get_device() if isinstance(first, torch.Tensor) else -1
         if index < 0:
-            raise ValueError(f"out[0]: expected a CUDA tensor (a stream launch writes device memory), got one on "
-                             f"{out[0].device}")
-        tensors = [*args, *out]
+            raise ValueError(f"operand {written[0] % len(operands)}: expected a CUDA tensor (a stream launch writes "
+                             f"device memory), got {getattr(first, 'device', type(first).__name__)}")
+        tensors = list(operands)
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or t.get_device() != index:
-                raise ValueError(f"operand {i}: expected a torch tensor on {out[0].device} (a stream launch reads "
+                raise ValueError(f"operand {i}: expected a torch tensor on {first.device} (a stream launch reads "
                                  f"device memory), got {t.device if isinstance(t, torch.Tensor) else type(t).__name__}")
             if not t.is_contiguous():
-                if i >= len(args):
-                    raise ValueError(f"out[{i - len(args)}]: expected a contiguous tensor (written in place), got "
+                if i in written or i - len(tensors) in written:
+                    raise ValueError(f"operand {i}: expected a contiguous tensor (written in place), got "
                                      f"strides {t.stride()}")
                 tensors[i] = t.contiguous()
         sk(tensors, _current_raw_stream(index))
-        return list(out)
+        return list(out) if out is not None else []
 
 
 # ---- per-step metadata (SPEC §7) -------------------------------------------------------------
@@ -648,7 +651,8 @@ def insert_kv(kernels: KernelLibrary, key, value, k_cache, v_cache, metadata_or_
     checks.check_ids_in_range("slot_mapping", slots, capacity)
     raw = _whole_buffer(k_cache, v_cache)
     cfg = MsaConfig(num_kv_heads=h, kv_dtype=dtype_name(k_cache.dtype), query_dtype=dtype_name(key.dtype))
-    ks, vs = module_scale(k_scale, h), module_scale(v_scale, h)
+    # no scale (16-bit caches): ones on the cache's device (a stream launch reads device memory)
+    ks, vs = module_scale(k_scale, h, k_cache.device), module_scale(v_scale, h, k_cache.device)
     storage = storage_dtype(k_cache.dtype)
     if kernels.target in InsertKvGpuSpec.targets:  # in place: the module writes into the cache's own memory
         kernels.run(InsertKvGpuSpec(cfg, stride), raw.view(storage), key, value, token_index, slots, ks, vs,

@@ -13,12 +13,13 @@ from msa_iree.launch import DispatchPlan, ptx_entries, ptx_of, shared_bytes
 
 MMA = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16)                      # 16 heads, 1 KV head
 FMA = K.SparseAttnDecodeGpuSpec(MsaConfig(num_heads=16, num_kv_heads=2), 8)          # 8 heads, 2 KV heads
+INSERT = K.InsertKvGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn", num_kv_heads=2), 16)       # writes the cache (operand 0)
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     out = tmp_path_factory.mktemp("cuda")
-    C.build(None, ["cuda"], out, specs=[MMA, FMA], log=lambda m: None)
+    C.build(None, ["cuda"], out, specs=[MMA, FMA, INSERT], log=lambda m: None)
     return out, json.loads((out / "manifest.json").read_text())["kernels"]
 
 
@@ -96,3 +97,15 @@ def test_what_is_not_interpreted_raises():
         plan.evaluate([], [])
     with pytest.raises(NotImplementedError, match="scf.if"):
         DispatchPlan("scf.if %c1 {").evaluate([], [])
+
+
+@pytest.mark.parametrize("tokens", [1, 40, 300])
+def test_the_insert_plan_is_one_dispatch_over_the_tokens(build, tokens):
+    out, kernels = build
+    shapes = [(6 * 16 * 2 * 2, 4096), (tokens, 2, 128), (tokens, 2, 128), (tokens,), (tokens,), (2, 1), (2, 1)]
+    dtypes = ["float8_e4m3fn", "bfloat16", "bfloat16", "int32", "int32", "float32", "float32"]
+    ((name, grid, constants, bindings),) = _plan(build, INSERT).evaluate(shapes, dtypes)
+    entries = ptx_entries(ptx_of((out / kernels[INSERT.name]["file"]).read_bytes()).decode())
+    assert grid == [tokens, 1, 1]  # a workgroup per token written
+    assert (len(bindings), len(constants)) == entries[name][1:]
+    assert sorted(k for k, _ in bindings) == list(range(7))
