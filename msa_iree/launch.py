@@ -2,8 +2,9 @@
 
 IREE's CUDA runtime runs a module on a stream of its own and can neither wait on torch's stream
 nor signal it, so a call into it is synchronous: ~40 us above the kernel on an H200 (tools/PERF.md).
-For the GPU-level kernels, which write into the storage they are given (`spec.output_storage`),
-this module launches the same PTX with the CUDA driver API on torch's current stream instead. What
+For the GPU-level kernels that write only into operands they are given (`spec.written_operands`:
+the attend's output and workspace, the insert's cache), this module launches the same PTX with
+the CUDA driver API on torch's current stream instead. What
 IREE's host code would do is read from `main` as IREE lowered it (`--compile-to=hal`, saved next
 to the vmfb at build time, `launch_plan` in the manifest): each dispatch's grid, push constants
 and bindings are computed by interpreting that straight-line code for the operands' shapes, and its
