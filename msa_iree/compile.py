@@ -151,7 +151,7 @@ def launch_plan(spec, target: str, extra_flags=()):
     """`main` lowered to HAL, from which msa_iree.launch launches the kernel on torch's stream:
     for the cuda GPU-level kernels that write only into their operands (`spec.written_operands`),
     else None."""
-    if target != "cuda" or not getattr(spec, "written_operands", None):
+    if not _launchable(spec, target):
         return None
     from .launch import hal_main
 
@@ -163,6 +163,11 @@ def launch_plan(spec, target: str, extra_flags=()):
     main = hal_main(text.decode() if isinstance(text, bytes) else text)
     _atomic_write(cached, main.encode())
     return main
+
+
+def _launchable(spec, target: str) -> bool:
+    """Whether a build of `spec` for `target` carries a launch plan."""
+    return target == "cuda" and bool(getattr(spec, "written_operands", None))
 
 
 def sha256(data: bytes) -> str:
@@ -201,7 +206,7 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1,
             vmfb_path = out / f"{spec.name}.vmfb"
             entry = old_kernels.get(spec.name)
             isa_ok = target != "gfx942" or (out / "isa" / spec.name).is_dir()
-            plan_ok = not (target == "cuda" and getattr(spec, "written_operands", None)) or "launch_plan" in (entry or {})
+            plan_ok = not _launchable(spec, target) or "launch_plan" in (entry or {})
             if entry and entry["content_key"] == key and not emit_mlir and isa_ok and plan_ok and _intact(out, entry):
                 kernels[spec.name] = entry
                 log(f"[{target} {i}/{len(todo)}] {spec.name}: up to date")

@@ -158,10 +158,7 @@ class KernelLibrary:
         self._check_arch(spec)
         entry = self.manifest["kernels"].get(spec.name)
         if entry is not None:
-            vmfb = (self.build_dir / entry["file"]).read_bytes()
-            if hashlib.sha256(vmfb).hexdigest() != entry["sha256"]:
-                raise BuildMismatchError(f"{self.build_dir / entry['file']}: sha256 differs from the manifest; "
-                                         "the build is corrupt or was modified: rebuild it")
+            vmfb = self._verified(entry)
         elif self.compile_missing:
             from .compile import compiled_module
 
@@ -205,6 +202,7 @@ class KernelLibrary:
         return sk
 
     def _verified(self, entry) -> bytes:
+        """The bytes of a file the manifest lists, checked against its recorded sha256."""
         data = (self.build_dir / entry["file"]).read_bytes()
         if hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise BuildMismatchError(f"{self.build_dir / entry['file']}: sha256 differs from the manifest; "
