@@ -157,12 +157,18 @@ def _decode_setup(lib, device, batch, context, L, num_heads, kv_name, rotations,
     c = DecodeCase(batch, context, L, num_heads, kv_dtype, device, rotations, seed=batch * 31 + L)
     scale = 128 ** -0.5
     attn = SparseAttention(num_heads, 1, 128, scale, kv_dtype, kernels=lib, gpu_matrix=matrix)
-    builder = MetadataBuilder(max_num_seqs=batch, max_model_len=context, kernels=lib, device=device)
-    qsl = torch.arange(0, batch * L + 1, L, dtype=torch.int32, device=device)
-    md = builder.build(c.block_table, c.seq_lens, qsl, c.seq_lens - L, decode_query_len=L, num_decodes=batch)
+    (md,) = _decode_metadata(lib, device, c, [c.block_table])
     out = torch.full_like(c.q, float("nan"))
     fwd = lambda: attn.forward(c.q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale)
     return c, attn, out, fwd
+
+
+def _decode_metadata(lib, device, c, block_tables):
+    """One decode step's metadata for DecodeCase `c` per block table (all rows decode, L each)."""
+    builder = MetadataBuilder(max_num_seqs=c.batch, max_model_len=c.context, kernels=lib, device=device)
+    qsl = torch.arange(0, c.batch * c.L + 1, c.L, dtype=torch.int32, device=device)
+    return [builder.build(bt, c.seq_lens, qsl, c.seq_lens - c.L, decode_query_len=c.L, num_decodes=c.batch)
+            for bt in block_tables]
 
 
 def decode_module_operands(attn, c):
@@ -216,11 +222,7 @@ def graph_us(lib, device, c, attn, out, iters, layers=57):
     forwards (launched on torch's stream, so captured), each over the next rotation of the block
     table (other blocks, as each layer's own cache would be), captured once; median wall time of a
     replay + sync, divided by `layers`."""
-    batch = c.q.shape[0] // c.L
-    builder = MetadataBuilder(max_num_seqs=batch, max_model_len=c.context, kernels=lib, device=device)
-    qsl = torch.arange(0, batch * c.L + 1, c.L, dtype=torch.int32, device=device)
-    steps = [builder.build(bt.contiguous(), c.seq_lens, qsl, c.seq_lens - c.L, decode_query_len=c.L, num_decodes=batch)
-             for bt in c.bt_rot]
+    steps = _decode_metadata(lib, device, c, [bt.contiguous() for bt in c.bt_rot])
     calls = [lambda md=md: attn.forward(c.q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale)
              for md in steps]
     for call in calls:  # outside the capture: each step's tensors, the launch plan, the workspace
