@@ -593,6 +593,11 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     waves_per_eu = None  # waves per SIMD asked of the gfx942 register allocator (mfma variant only)
     early_v = False  # V loaded right after QK, before the softmax (mma variant, without async_kv)
     merge_rows_splits = 0  # up to this many splits @merge takes a workgroup per row (mma, mfma variants)
+    merge_row_parts = 1  # ... at exactly merge_rows_splits splits this many, G / merge_row_parts heads each
+    # the request's block-table row staged in LDS, requested with the top-k row, when the table has
+    # at most this many columns (a multiple of 256; 0: each top-k entry's column read after the top-k)
+    bt_preload = 0
+    trace = False  # measurements only: per-workgroup clock stamps after the partials (mma; tools/trace_phases.py)
     targets = ("cuda", "gfx942")
     GROUP_SIZES = (8, 16)
 
@@ -630,13 +635,16 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
                                MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm, HW_FP8=self.uses_hw_fp8,
                                ASYNC_KV=self.mma and self.async_kv, MFMA=self.mfma, EMULATE=self.emulate_mfma,
                                WAVES_PER_EU=self.waves_per_eu, EARLY_V=self.mma and self.early_v,
-                               MERGE_ROWS_SPLITS=self.merge_rows_splits if (self.mma or self.mfma) else 0)
+                               MERGE_ROWS_SPLITS=self.merge_rows_splits if (self.mma or self.mfma) else 0,
+                               BT_PRELOAD=self.bt_preload, TRACE=self.mma and self.trace, MRP=self.merge_row_parts)
 
     def describe(self) -> dict:
         return {**super().describe(), "mma": self.mma, "min_ctas_per_sm": self.min_ctas_per_sm,
                 "hw_fp8": self.uses_hw_fp8, "async_kv": self.mma and self.async_kv, "mfma": self.mfma,
                 "emulate_mfma": self.emulate_mfma, "waves_per_eu": self.waves_per_eu,
-                "early_v": self.mma and self.early_v, "merge_rows_splits": self.merge_rows_splits}
+                "early_v": self.mma and self.early_v, "merge_rows_splits": self.merge_rows_splits,
+                "bt_preload": self.bt_preload, "trace": self.mma and self.trace,
+                "merge_row_parts": self.merge_row_parts}
 
     @property
     def uses_hw_fp8(self) -> bool:
@@ -707,6 +715,40 @@ class SparseAttnDecodeMmaSpec(_MatrixCoreSpec):
     # loads are in flight during the softmax (127 registers, no spills). Measured on the H200
     # (tools/PERF.md): prefill bf16 552 -> 532 us, L=4 B=128 113.4 -> 111.8 us, L=1 unchanged
     early_v = True
+    # @merge with 4 splits (33-64 rows): two workgroups a row (8 heads, 4 dims a thread). H200
+    # (tools/PERF.md, clean cold L2, TP4 B=64): merge 1.87 -> 1.60-1.65 us bf16, 1.97 -> 1.76 fp8;
+    # with 2 splits it was slower (B=128 1.63 -> 1.74), so fewer splits keep one workgroup a row
+    merge_row_parts = 2
+    # up to 1024 block-table columns (128K tokens a request) the page ids wait on one global load,
+    # not two in a chain (4 KiB of LDS). H200 (tools/PERF.md): TP4 bf16 L=1 B=8 9.1 -> 8.2 us,
+    # B=64 27.5 -> 26.7, B=128 44.5 -> 43.5; fp8 B=64 17.4 -> 17.2
+    bt_preload = 1024
+
+
+class SparseAttnDecodeMmaTraceSpec(SparseAttnDecodeMmaSpec):
+    """The mma decode attend with clock stamps (TRACE): thread 0 of every workgroup writes 16 i64
+    after the partials in the workspace (kernels_mlir/mma_split.j2 says which), read back by
+    `stamps`. For measurements only (tools/trace_phases.py); never what SparseAttention serves."""
+
+    kernel = "sparse_attn_decode_mma_trace"
+    trace = True
+
+    def splits(self, rows: int) -> int:
+        """The template's split rule: 16 up to 16 rows, halving per doubling, 1 above 128 rows."""
+        return 16 if rows <= 16 else 8 if rows <= 32 else 4 if rows <= 64 else 2 if rows <= 128 else 1
+
+    def workspace_floats(self, num_tokens: int) -> int:
+        rows = num_tokens * self.cfg.num_kv_heads
+        return super().workspace_floats(num_tokens) + max(256, rows) * 32
+
+    def stamps(self, workspace, num_tokens: int):
+        """[workgroups (row-major over (row, split)), 16] int64: 0 globaltimer (ns) and 1 SM clock at
+        entry, 2 page ids ready, 3 + 2j / 4 + 2j block j's (j < 4) two softmax barriers, 11 the
+        epilogue's barrier, 12 partials stored, 13 globaltimer at the end."""
+        rows = num_tokens * self.cfg.num_kv_heads
+        groups = rows * self.splits(rows)
+        at = groups * self.cfg.group_size * 130  # after o (128 floats) and (m, l) of every (group, head)
+        return workspace[at:at + groups * 32].view(torch.int64).reshape(groups, 16)
 
 
 class SparseAttnPrefillMmaSpec(SparseAttnDecodeMmaSpec):
@@ -735,6 +777,10 @@ class SparseAttnDecodeMfmaSpec(_MatrixCoreSpec):
     # 4 waves per SIMD asked of the register allocator (<= 128 VGPRs): fp8 takes 124 with it, 128
     # without (bf16 111 either way); with q in registers it had taken 155 (3 waves) or spilled
     waves_per_eu = 4
+    # the page ids wait on one global load up to 256 block-table columns (32K tokens a request):
+    # 1 KiB of LDS keeps 4 workgroups (16 waves) a CU; the H200 measured the mma twin's 1024
+    # (TP4 bf16 L=1 9.1 -> 8.2 us at B=8, 27.5 -> 26.7 at B=64); gfx942's gain is unmeasured
+    bt_preload = 256
 
 
 class SparseAttnPrefillMfmaSpec(SparseAttnDecodeMfmaSpec):

@@ -164,7 +164,8 @@ def gpu_test_specs():
     """Every compiled kernel tests/test_gpu.py calls, for `cuda`."""
     from .config import MsaConfig
     from .kernels import (InsertKvGpuSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec,
-                          SparseAttnDecodeMfmaEmulatedSpec as Mfma, SparseAttnDecodeMmaSpec, SparseAttnPrefillGpuSpec,
+                          SparseAttnDecodeMfmaEmulatedSpec as Mfma, SparseAttnDecodeMmaSpec,
+                          SparseAttnDecodeMmaTraceSpec, SparseAttnPrefillGpuSpec,
                           SparseAttnPrefillMfmaEmulatedSpec as MfmaPrefill, SparseAttnPrefillMmaSpec)
 
     specs = [RebaseBlockTableSpec(MsaConfig())]
@@ -188,4 +189,6 @@ def gpu_test_specs():
     for kv in ("fp8_e4m3fn", "fp8_e4m3fnuz"):  # the NaN-code tests: decode L=1, interleaved
         specs += [cls(MsaConfig(kv_dtype=kv), 16) for cls in (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec, Mfma)]
     specs += [cls(MsaConfig(), 16) for cls in (SparseAttnDecodeMmaSpec, Mfma)]  # workspace, NaN-tail tests (bf16)
+    # the clock-stamped mma attend (tools/trace_phases.py; its test checks the stamps and the output)
+    specs += [SparseAttnDecodeMmaTraceSpec(MsaConfig(kv_dtype=kv), 16) for kv in ("bf16", "fp8_e4m3fn")]
     return list({s.name: s for s in specs}.values())

@@ -54,8 +54,10 @@ def test_grids_follow_the_split_rule(build, tokens):
     assert [d[0] for d in dispatches] == ["split", "merge"]
     assert dispatches[0][1] == [_splits(rows), rows, 1]
     n = _splits(rows)
-    # @merge: one empty workgroup with one split, a workgroup per row up to 4, per (row, head pair) above
-    assert dispatches[1][1] == ([1, 1, 1] if n == 1 else [rows, 1, 1] if n <= 4 else [rows, 8, 1])
+    # @merge: one empty workgroup with one split, a workgroup per row with 2, two (MMA.merge_row_parts)
+    # with 4, per (row, head pair) above
+    assert dispatches[1][1] == ([1, 1, 1] if n == 1 else [rows, 1, 1] if n == 2 else [rows, 2, 1] if n == 4
+                                else [rows, 8, 1])
     fma = _plan(build, FMA).evaluate(*_operands(FMA, tokens))
     assert fma[0][1] == [_splits(2 * tokens), 2 * tokens, 1] and fma[1][1] == [2 * tokens, 8, 1]
 
@@ -72,9 +74,10 @@ def test_plans_pass_what_the_ptx_takes(build):
             assert (len(bindings), len(constants)) == (pointers, words), name
             assert all(0 <= k < 11 for k, _ in bindings)
     # the mma split's LDS: row maxima 16 x 8 f32, P fragments 8 x 32 x 4 i32, the block table 16
-    # index + 16 i32 (kernels_mlir/mma_split.j2, the template's TB/TK)
+    # index + 16 i32 (kernels_mlir/mma_split.j2, the template's TB/TK), the staged block-table row
+    # (MMA.bt_preload i32)
     vmfb = (out / kernels[MMA.name]["file"]).read_bytes()
-    assert shared_bytes(vmfb, (256, 1, 1)) == 16 * 8 * 4 + 8 * 32 * 4 * 4 + 16 * 8 + 16 * 4
+    assert shared_bytes(vmfb, (256, 1, 1)) == 16 * 8 * 4 + 8 * 32 * 4 * 4 + 16 * 8 + 16 * 4 + MMA.bt_preload * 4
 
 
 def test_plans_refuse_what_iree_refuses(build):
