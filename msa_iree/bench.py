@@ -4,7 +4,11 @@ Per decode case (batch x context x L x heads per KV head x KV dtype; every row s
 its own block always among them):
 - the output of the compiled attend is checked against the torch reference first;
 - kernel_us: the device time of the module's kernels in one forward call (CUDA activity records
-  through torch.profiler), with the L2 flushed (a 512 MiB write) before each call;
+  through torch.profiler), the L2 flushed before each call by reading 512 MiB (cold and clean:
+  every K/V byte comes from DRAM, and the L2 holds no one else's dirty lines);
+- kernel_dirty_us: the same with the L2 flushed by writing 512 MiB (what the harness reported
+  before, and what a `zero_()` flush such as triton.testing.do_bench's leaves): the kernel's
+  reads then also pay for writing back up to the L2's size of the flush's dirty lines;
 - chained_us: per attend when n run back to back in one invocation (`chain`, (wall(n2) -
   wall(n1)) / (n2 - n1)): kernel time plus IREE's launch gaps inside an invocation; consecutive
   calls read block tables of different rotations, mapping to different blocks of a >= 256 MiB
@@ -95,9 +99,16 @@ def kernel_us(fn, device, iters=10, flush=None, by_kernel=None):
     return statistics.median(per_call)
 
 
-def l2_flusher(device, nbytes=512 << 20):
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return lambda: buf.zero_()
+def l2_flusher(device, nbytes=512 << 20, dirty=False):
+    """Evicts the L2 (50 MiB on an H200) through a 512 MiB buffer: read (the L2 ends up holding
+    clean lines of it) or, dirty=True, written (it ends up holding dirty lines, which the next
+    kernel's misses write back: ~6 us of a 25 us decode attend, tools/PERF.md)."""
+    if dirty:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return lambda: buf.zero_()
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    total = torch.empty((), dtype=torch.float32, device=device)
+    return lambda: torch.sum(buf, dim=0, out=total)
 
 
 def copy_bandwidth_GBps(device, nbytes=1 << 30):
@@ -242,7 +253,8 @@ def add_kernel_time(lib, device, row, rotations=16):
     by_kernel = {}
     k_us = kernel_us(fwd, device, flush=l2_flusher(device), by_kernel=by_kernel)
     row.update(kernel_us=k_us, kernels_us=by_kernel, GBps=c.kv_bytes / k_us / 1e3, x_torch=row["torch_us"] / k_us,
-               overhead_us=row["forward_us"] - k_us, forward_over_kernel=row["forward_us"] / k_us)
+               overhead_us=row["forward_us"] - k_us, forward_over_kernel=row["forward_us"] / k_us,
+               kernel_dirty_us=kernel_us(fwd, device, flush=l2_flusher(device, dirty=True)))
 
 
 def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_heads=16, matrix="auto"):
@@ -268,8 +280,10 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
     flush = l2_flusher(device) if device.type == "cuda" else None
     torch_us = events_us(eager, iters, device, flush)
     by_kernel = {}
+    dirty_us = None
     if device.type == "cuda":  # kernel time as for decode (L2 flushed, profiler records)
         k_us = kernel_us(fwd, device, flush=flush, by_kernel=by_kernel)
+        dirty_us = kernel_us(fwd, device, flush=l2_flusher(device, dirty=True))
     else:  # the host: one 4096-token call takes seconds, its call overhead is noise
         k_us = forward_us
     return {"phase": "prefill", "batch": 1, "context": context, "L": q_len, "q_heads": num_heads, "kv_dtype": kv_name,
@@ -277,6 +291,7 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
             "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "ref_max_abs": float(ref.abs().max()),
             "kv_MB": c.kv_bytes / 1e6,
             "forward_us": forward_us, "torch_us": torch_us, "kernel_us": k_us, "kernels_us": by_kernel,
+            "kernel_dirty_us": dirty_us,
             "forward_over_kernel": forward_us / k_us, "GBps": c.kv_bytes / k_us / 1e3, "x_torch": torch_us / k_us}
 
 
@@ -297,7 +312,7 @@ def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_le
 
 
 def format_table(rows, copy_GBps):
-    head = (f"{'phase':>7} {'matrix':>6} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'L':>4} {'kernel us':>9} {'GB/s':>6} {'%copy':>5} "
+    head = (f"{'phase':>7} {'matrix':>6} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'L':>4} {'kernel us':>9} {'GB/s':>6} {'%copy':>5} {'dirty us':>8} "
             f"{'chain us':>8} {'call us':>8} {'fwd us':>8} {'fwd/k':>5} {'graph us':>8} {'torch us':>9} {'x torch':>7} {'max err':>8}")
     lines = [f"device-to-device copy: {copy_GBps:.0f} GB/s", head]
     for r in rows:
@@ -306,8 +321,9 @@ def format_table(rows, copy_GBps):
         chain = f"{r['chained_us']:8.1f}" if r.get("chained_us") else f"{'-':>8}"
         ratio = f"{r['forward_over_kernel']:5.2f}" if r.get("forward_over_kernel") else f"{'-':>5}"
         graph = f"{r['graph_us']:8.1f}" if r.get("graph_us") else f"{'-':>8}"
+        dirty = f"{r['kernel_dirty_us']:8.1f}" if r.get("kernel_dirty_us") else f"{'-':>8}"
         lines.append(f"{r['phase']:>7} {r.get('matrix', 'auto'):>6} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} {r['batch']:>4} {r['context']:>6} "
-                     f"{r['L']:>4} {k} {r['GBps']:6.0f} {100 * r['GBps'] / copy_GBps:5.1f} {chain} {call} "
+                     f"{r['L']:>4} {k} {r['GBps']:6.0f} {100 * r['GBps'] / copy_GBps:5.1f} {dirty} {chain} {call} "
                      f"{r['forward_us']:8.1f} {ratio} {graph} {r['torch_us']:9.1f} {r['x_torch']:7.2f} {r['max_abs_err']:8.1e}")
     return "\n".join(lines)
 
