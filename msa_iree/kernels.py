@@ -607,6 +607,8 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
                              f"attend, got {self.cfg.group_size}")
         if self.cfg.topk != 16:
             raise ValueError(f"topk: expected 16 for the GPU decode attend, got {self.cfg.topk}")
+        if self.bt_preload % 256:  # the staged row is copied by the 256 threads, 256 columns a step
+            raise ValueError(f"bt_preload: expected a multiple of 256 block-table columns, got {self.bt_preload}")
 
     @property
     def variant(self):
@@ -778,8 +780,8 @@ class SparseAttnDecodeMfmaSpec(_MatrixCoreSpec):
     # without (bf16 111 either way); with q in registers it had taken 155 (3 waves) or spilled
     waves_per_eu = 4
     # the page ids wait on one global load up to 256 block-table columns (32K tokens a request):
-    # 1 KiB of LDS keeps 4 workgroups (16 waves) a CU; the H200 measured the mma twin's 1024
-    # (TP4 bf16 L=1 9.1 -> 8.2 us at B=8, 27.5 -> 26.7 at B=64); gfx942's gain is unmeasured
+    # 1 KiB of LDS keeps 4 workgroups (16 waves) a CU; on the H200 the CUDA mma attend's 1024 took
+    # TP4 bf16 L=1 from 9.1 to 8.2 us at B=8, 27.5 to 26.7 at B=64; gfx942's gain is unmeasured
     bt_preload = 256
 
 

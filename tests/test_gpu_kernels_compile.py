@@ -27,6 +27,9 @@ def test_decode_attend_is_two_dispatches_with_the_table_build_fused():
 def test_specs_refuse_what_they_cannot_build():
     with pytest.raises(ValueError, match="num_heads / num_kv_heads"):
         K.SparseAttnDecodeGpuSpec(MsaConfig(num_heads=4), 16)
+    odd_row = type("OddRow", (K.SparseAttnDecodeMmaSpec,), {"bt_preload": 300})
+    with pytest.raises(ValueError, match="bt_preload: expected a multiple of 256 block-table columns, got 300"):
+        odd_row(MsaConfig(), 16)
     with pytest.raises(C.CompileError, match="expected a target in"):
         C.compiled_module(DECODE[0], "host")
     assert K.SparseAttnDecodeGpuSpec.output_storage
