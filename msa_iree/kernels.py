@@ -623,7 +623,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     def workspace_floats(self, num_tokens: int) -> int:
         """f32 elements of the workspace `main` takes after the output (the split partials o and
         (m, l) of rows x splits x G heads, 130 floats each; the template uses 16 splits up to 16
-        rows, halving per doubling, 1 from 256: rows x splits <= max(256, rows)). An upper bound
+        rows, halving per doubling, 1 above 128: rows x splits <= max(256, rows)). An upper bound
         for the MFMA variant: its partials take 67 floats' room per (row, split, head) (o in f16,
         then m, l and o's scale) and its fp8 rows at most 8 splits."""
         rows = num_tokens * self.cfg.num_kv_heads
