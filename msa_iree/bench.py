@@ -11,12 +11,14 @@ its own block always among them):
   reads then also pay for writing back up to the L2's size of the flush's dirty lines;
 - chained_us: per attend when n run back to back in one invocation (`chain`, (wall(n2) -
   wall(n1)) / (n2 - n1)): kernel time plus IREE's launch gaps inside an invocation; consecutive
-  calls read block tables of different rotations, mapping to different blocks of a >= 256 MiB
+  calls read block tables of different rotations, mapping to disjoint blocks of a >= 256 MiB
   pool, so the L2 stays cold;
 - call_us: one module call from Python (lib.run; on cuda launched on torch's stream, msa_iree.launch),
   and forward_us: one SparseAttention.forward (checks + call), each waited for (+ sync), medians;
 - graph_us (cuda, stream launches): per forward of 57 forwards over 16 block-table rotations
-  captured in a CUDA graph and replayed (how vLLM runs decode; no L2 flush inside the replay);
+  captured in a CUDA graph and replayed, median replay (how vLLM runs decode, and the ANCHORS
+  protocol's "rotate inputs": consecutive forwards read disjoint blocks, so each finds its K/V
+  in DRAM, with no flush and none of a flush's dirty lines; the gaps between kernels count);
 - torch_us: torch eager's reference attend over the prebuilt page table (CUDA events, median);
 - GB/s counts the selected K and V bytes the queries see, divided by kernel_us, and % copy
   relates it to a device-to-device copy measured in the same run.
@@ -38,7 +40,7 @@ from .layout import BLOCK_SIZE, allocate_kv_cache
 from .runtime import KernelLibrary, MetadataBuilder, SparseAttention
 
 TOPK = 16
-POOL_BYTES = 256 << 20  # cache pool for the L2 rotation: ~5x the H200's 50 MiB L2
+POOL_BYTES = 256 << 20  # cache pool for the L2 rotation: >= 2 block tables' worth and ~5x the H200's 50 MiB L2
 
 
 def _sync(device):
@@ -129,7 +131,8 @@ class DecodeCase:
         self.L, self.batch, self.context = L, batch, context
         blocks_per_req = -(-context // BLOCK_SIZE)
         block_bytes = 2 * BLOCK_SIZE * 128 * kv_dtype.itemsize
-        pool = max(batch * blocks_per_req, pool_bytes // block_bytes)
+        mapped = batch * blocks_per_req  # the blocks one block table maps
+        pool = max(2 * mapped, pool_bytes // block_bytes)
         self.k_cache, self.v_cache = allocate_kv_cache(pool, 1, kv_dtype, device=device)
         raw = self.k_cache.view(-1)[: pool * 16 * 2048]  # the whole buffer (interleaved)
         if kv_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
@@ -142,9 +145,11 @@ class DecodeCase:
         else:
             raw.copy_(torch.randn(raw.shape, generator=g, device=device).to(kv_dtype))
             self.k_scale = self.v_scale = None
-        # rotations of the block table: each a random injective map into the pool
-        self.bt_rot = torch.stack([torch.randperm(pool, generator=g, device=device)[: batch * blocks_per_req]
-                                   .reshape(batch, blocks_per_req).int() for _ in range(rotations)])
+        # rotations of the block table: rotation r a random map onto slice r % slices of the pool, so
+        # that consecutive rotations share no block (a replay of them finds none of its K/V in the L2)
+        slices = pool // mapped
+        self.bt_rot = torch.stack([(torch.randperm(mapped, generator=g, device=device) + r % slices * mapped)
+                                   .reshape(batch, blocks_per_req).int() for r in range(rotations)])
         self.block_table = self.bt_rot[0].contiguous()
         self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
         tokens = batch * L

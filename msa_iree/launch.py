@@ -183,7 +183,15 @@ class StreamKernel:
         self.plan = DispatchPlan(plan_text)
         self._launches = {}
 
-    def _prepare(self, tensors, key):
+    def _dispatches(self, tensors):
+        """The dispatches of `main` for these operands' shapes and dtypes, worked out once and reused."""
+        key = tuple((t.shape, t.dtype) for t in tensors)
+        launches = self._launches.get(key)
+        if launches is None:
+            launches = self._launches[key] = self._prepare(tensors)
+        return launches
+
+    def _prepare(self, tensors):
         shapes = [tuple(t.shape) for t in tensors]
         dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
         launches = []
@@ -193,14 +201,12 @@ class StreamKernel:
                 raise RuntimeError(f"{self.name}: main passes {name} {len(bindings)} bindings and {len(constants)} "
                                    f"constants, its PTX takes {n_pointers} and {n_words}")
             launches.append(_Launch(self.functions[name], grid, block, self.shared[name], bindings, constants))
-        self._launches[key] = launches
         return launches
 
     def __call__(self, tensors, stream: int):
         """Queue `main` on `stream` (a CUstream handle) over contiguous CUDA tensors in `main`'s
         operand order; the plan for their shapes and dtypes is worked out once and reused."""
-        key = tuple((t.shape, t.dtype) for t in tensors)
-        launches = self._launches.get(key) or self._prepare(tensors, key)
+        launches = self._dispatches(tensors)
         lib = self.driver.lib
         for d in launches:
             for slot, (k, offset) in zip(d.pointers, d.bindings):
@@ -209,3 +215,39 @@ class StreamKernel:
                                     d.shared, ctypes.c_void_p(stream), d.args, None)
             if rc:
                 self.driver.check(rc, f"{self.name}: cuLaunchKernel")
+
+    def bind(self, tensors, variable):
+        """`main` over these operands, of which those at the indices `variable` may move between
+        calls: a BoundLaunch (the plan evaluated and every other pointer written once)."""
+        return BoundLaunch(self, tensors, variable)
+
+
+class BoundLaunch:
+    """A StreamKernel's dispatches over operands fixed but for a few (`variable`) whose addresses
+    are given per call: a call writes those addresses and queues the kernels, nothing else (the
+    per-call host cost of a layer's attend, tools/PERF.md). It keeps the fixed operands alive;
+    the caller checks that the variable ones have the shapes and dtypes it was bound with."""
+
+    def __init__(self, sk: StreamKernel, tensors, variable):
+        self.name, self._driver = sk.name, sk.driver
+        self._keep = list(tensors)
+        self._launches = [_Launch(d.fn, d.grid, d.block, d.shared, d.bindings, [c.value for c in d.constants])
+                          for d in sk._dispatches(tensors)]  # argument blocks of its own
+        self._moving = []  # (pointer slot, index into the call's addresses, byte offset)
+        for d in self._launches:
+            for slot, (k, offset) in zip(d.pointers, d.bindings):
+                slot.value = tensors[k].data_ptr() + offset
+                if k in variable:
+                    self._moving.append((slot, variable.index(k), offset))
+        self._calls = [(d.fn, *d.grid, *d.block, d.shared, d.args) for d in self._launches]
+
+    def __call__(self, stream: int, *addresses):
+        """Queue the kernels on `stream` with the variable operands at `addresses` (data_ptr()s, in
+        the order of `variable`)."""
+        for slot, i, offset in self._moving:
+            slot.value = addresses[i] + offset
+        launch, stream = self._driver.lib.cuLaunchKernel, ctypes.c_void_p(stream)
+        for fn, gx, gy, gz, bx, by, bz, shared, args in self._calls:
+            rc = launch(fn, gx, gy, gz, bx, by, bz, shared, stream, args, None)
+            if rc:
+                self._driver.check(rc, f"{self.name}: cuLaunchKernel")

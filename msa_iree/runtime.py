@@ -449,6 +449,7 @@ class SparseAttention:
         self._unit_scale = torch.ones(num_kv_heads, 1)
         self._layer_key = None
         self._workspace = None  # (torch f32 tensor, its IREE view): the GPU attend's split partials
+        self._decode_launch = None  # _DecodeLaunch: the last decode-only step's bound attend (stream launch)
         self._specs = {}  # (kernel class, decode L, stride) -> spec: built once, not per call
         self.validate_emitted_tables = validate_emitted_tables
         # the hand-written GPU attend (decode and prefill) where the target and head grouping allow it
@@ -554,6 +555,10 @@ class SparseAttention:
         """query/output [tokens, Hq, 128]; topk [H, >= tokens, K] int32. Returns `output`."""
         if not isinstance(metadata, MsaMetadata):
             return output  # profiling run: nothing to attend (SPEC §7.4)
+        bound = self._decode_launch
+        if (bound is not None and sparse_block_table is None and sparse_context_lens is None
+                and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale)):
+            return output  # a later call of a bound step: only what changes per call was checked
         self._check(query, k_cache, output, topk)
         layer = self._layer_state(k_cache, v_cache, k_scale, v_scale)
         cfg, h = self.cfg, self.cfg.num_kv_heads
@@ -605,12 +610,60 @@ class SparseAttention:
             if getattr(spec, "output_storage", False):  # (checks.check_out: output is contiguous)
                 ws = self._workspace_for(spec, hi - lo, query.device)
                 self.kernels.run(spec, *args, out=[_rows(output, lo, hi), ws])  # written in place
+                if phase is metadata.decode and metadata.prefill is None:
+                    self._decode_launch = _DecodeLaunch.bind(self.kernels, spec, metadata, layer, (k_cache, v_cache,
+                                                             k_scale, v_scale), (query, topk, output), args, ws)
                 continue
             (o,) = self.kernels.run(spec, *args, out_dtypes=[query.dtype])
             output[lo:hi].copy_(o)
         return output
 
     __call__ = forward
+
+
+class _DecodeLaunch:
+    """A layer's decode-only step bound to its stream launch (FlashInfer's plan/run split): made by
+    a forward that ran every check, it serves the later calls that pass the same metadata, caches
+    and scales, checking only what may change per call (the query, output and top-k tensors: the
+    shapes, dtypes and device bound, contiguous) before it launches; any other call takes the
+    checked path (and binds anew). A cache or scale tensor changed in place by set_ or resize_
+    keeps its identity and is not seen."""
+
+    @classmethod
+    def bind(cls, kernels, spec, metadata, layer, layer_tensors, call_tensors, args, workspace):
+        """None unless the attend is launched on torch's stream from the call tensors' own memory.
+        layer_tensors: (k_cache, v_cache, k_scale, v_scale); call_tensors: (query, topk, output);
+        args: the decode module's inputs as forward passed them (query rows at 0, top-k rows at 3)."""
+        sk = kernels.stream_kernel(spec) if kernels.stream_launch else None
+        query, topk, output = call_tensors
+        # the kernel reads rows from the first: their addresses are the whole tensors' if contiguous
+        if sk is None or not all(t.is_contiguous() for t in (*call_tensors, args[0], args[3])):
+            return None
+        self = cls()
+        self.metadata, self.layer_tensors, self.refresh = metadata, layer_tensors, layer.refresh
+        self.cache_addresses = tuple(t.data_ptr() for t in layer_tensors[:2])
+        self.q_shape, self.q_dtype, self.topk_shape = query.shape, query.dtype, topk.shape
+        self.device_index = query.get_device()
+        rows = (args[0], args[3], _rows(output, 0, args[0].shape[0]))
+        self.launch = sk.bind([*args, rows[2], workspace], variable=(0, 3, len(args)))
+        return self
+
+    def __call__(self, metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale) -> bool:
+        """Queue the attend if this call is one the binding serves (True); else False, nothing done."""
+        k, v, ks, vs = self.layer_tensors
+        if (metadata is not self.metadata or k_cache is not k or v_cache is not v or k_scale is not ks
+                or v_scale is not vs or (k_cache.data_ptr(), v_cache.data_ptr()) != self.cache_addresses):
+            return False
+        q_shape, q_dtype, index = self.q_shape, self.q_dtype, self.device_index
+        if (query.shape != q_shape or output.shape != q_shape or topk.shape != self.topk_shape
+                or query.dtype != q_dtype or output.dtype != q_dtype or topk.dtype != torch.int32
+                or query.get_device() != index or output.get_device() != index or topk.get_device() != index
+                or not (query.is_contiguous() and output.is_contiguous() and topk.is_contiguous())):
+            return False
+        for copy, strided in self.refresh:
+            copy.copy_(strided)
+        self.launch(_current_raw_stream(index), query.data_ptr(), topk.data_ptr(), output.data_ptr())
+        return True
 
 
 def _rows(t, lo, hi, dim=0):

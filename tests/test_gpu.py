@@ -509,3 +509,48 @@ def test_forward_is_captured_by_a_cuda_graph(cuda_kernels, kv):
         assert not got.isnan().any()
         # two bf16 roundings of the largest output (fp8 outputs reach |19|) and a little more
         assert (got.float() - ref.float()).abs().max() < 2 * 2 ** -8 * ref.float().abs().max() + 1e-2
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+def test_later_calls_of_a_step_are_checked_and_attend(cuda_kernels, kv):
+    """The first forward of a decode step binds its launch; later calls with the same metadata and
+    caches go through the binding (only the query, output and top-k are checked per call, then
+    launched): each result is the reference's, another layer's caches rebind, and a query, output
+    or top-k the binding was not made for takes the checked path and is refused by name."""
+    from msa_iree.bench import _decode_metadata, _decode_setup
+    from msa_iree.layout import allocate_kv_cache
+
+    dev = torch.device("cuda")
+    c, attn, _, _ = _decode_setup(cuda_kernels, dev, 8, 4096, 1, 16, kv, rotations=1)
+    (md,) = _decode_metadata(cuda_kernels, dev, c, [c.block_table])
+    other = allocate_kv_cache(c.k_cache.shape[0] // 16, 1, c.k_cache.dtype, device=dev)  # another layer's
+    raw = lambda k: k.view(-1).view(torch.uint8)  # the whole interleaved buffer, as bytes
+    raw(other[0]).copy_(raw(c.k_cache).roll(2048))
+    fewer = c.topk.clone()
+    fewer[..., 8:] = -1  # the own block and 7 older ones
+    gen = torch.Generator(device=dev).manual_seed(4)
+    cpu = lambda t: None if t is None else t.cpu()
+    bindings = []
+    for caches, topk in ((c.k_cache, c.v_cache), c.topk), ((c.k_cache, c.v_cache), fewer), (other, c.topk), \
+                        ((c.k_cache, c.v_cache), fewer):
+        q = torch.randn(c.q.shape, generator=gen, device=dev).to(c.q.dtype)
+        out = torch.full_like(q, float("nan"))
+        attn.forward(q, *caches, out, topk, md, c.k_scale, c.v_scale)
+        bindings.append(attn._decode_launch)
+        ref = torch.empty(q.shape, dtype=q.dtype)
+        R.sparse_attn_decode(q.cpu(), caches[0].cpu(), caches[1].cpu(), topk.cpu(), c.block_table.cpu(),
+                             c.seq_lens.cpu(), 1, attn.scale, ref, cpu(c.k_scale), cpu(c.v_scale))
+        got = out.cpu()
+        assert not got.isnan().any()
+        assert (got.float() - ref.float()).abs().max() < 2 * 2 ** -8 * ref.float().abs().max() + 1e-2
+    assert bindings[0] is not None and bindings[1] is bindings[0]  # served by the binding
+    assert bindings[2] is not bindings[1] and bindings[3] is not bindings[2]  # other caches: bound anew
+    q, out = c.q.clone(), torch.empty_like(c.q)
+    with pytest.raises(ValueError, match="query: expected torch.bfloat16"):
+        attn.forward(q.half(), c.k_cache, c.v_cache, out, fewer, md, c.k_scale, c.v_scale)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        attn.forward(q, c.k_cache, c.v_cache, out[:, :8], fewer, md, c.k_scale, c.v_scale)
+    with pytest.raises(ValueError, match="topk: expected torch.int32"):
+        attn.forward(q, c.k_cache, c.v_cache, out, fewer.long(), md, c.k_scale, c.v_scale)
+    with pytest.raises(ValueError, match="topk: expected at least num_actual_tokens=8 rows"):
+        attn.forward(q, c.k_cache, c.v_cache, out, fewer[:, :4], md, c.k_scale, c.v_scale)

@@ -2,14 +2,16 @@
 operand shapes, gives the grids the template's split rule implies, passes as many bindings and
 constants as the PTX takes, and refuses what IREE's own call would refuse. The launches
 themselves run on a GPU (tests/test_gpu.py compares them byte for byte with IREE's call)."""
+import ctypes
 import json
 
 import pytest
+import torch
 
 from msa_iree import compile as C
 from msa_iree import kernels as K
 from msa_iree.config import MsaConfig
-from msa_iree.launch import DispatchPlan, ptx_entries, ptx_of, shared_bytes
+from msa_iree.launch import DispatchPlan, StreamKernel, ptx_entries, ptx_of, shared_bytes
 
 MMA = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16)                      # 16 heads, 1 KV head
 FMA = K.SparseAttnDecodeGpuSpec(MsaConfig(num_heads=16, num_kv_heads=2), 8)          # 8 heads, 2 KV heads
@@ -112,3 +114,59 @@ def test_the_insert_plan_is_one_dispatch_over_the_tokens(build, tokens):
     assert grid == [tokens, 1, 1]  # a workgroup per token written
     assert (len(bindings), len(constants)) == entries[name][1:]
     assert sorted(k for k, _ in bindings) == list(range(7))
+
+
+class _RecordingDriver:
+    """A CudaDriver stand-in for the CPU machine: loads nothing, records each cuLaunchKernel with
+    the values its argument block points at (pointers u64, then constants u32, as the PTX takes)."""
+
+    def __init__(self):
+        self.launched = []
+        self.lib = self
+
+    def load(self, ptx, names):
+        return None, {name: ctypes.c_void_p(1000 + i) for i, name in enumerate(names)}
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, shared, stream, args, extra):  # noqa: N802 - CUDA's name
+        name = next(n for n, f in self.sk.functions.items() if f.value == fn.value)
+        _, pointers, words = self.sk.entries[name]
+        values = [ctypes.cast(args[i], ctypes.POINTER(ctypes.c_uint64)).contents.value for i in range(pointers)]
+        values += [ctypes.cast(args[pointers + i], ctypes.POINTER(ctypes.c_uint32)).contents.value for i in range(words)]
+        self.launched.append((name, (gx, gy, gz), (bx, by, bz), shared, stream.value, values))
+        return 0
+
+
+def _mma_operands(tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(tokens, 16, 128, generator=g).bfloat16(), torch.zeros(64, 2048, dtype=torch.bfloat16),
+            torch.zeros(64, 2048, dtype=torch.bfloat16), torch.zeros(1, tokens, 16, dtype=torch.int32),
+            torch.zeros(tokens, 40, dtype=torch.int32), torch.zeros(tokens, dtype=torch.int32), torch.ones(1),
+            torch.ones(1, 1), torch.ones(1, 1), torch.empty(tokens, 16, 128, dtype=torch.bfloat16),
+            torch.empty(MMA.workspace_floats(tokens))]
+
+
+@pytest.mark.parametrize("tokens", [8, 64, 300])
+def test_a_bound_launch_passes_what_an_unbound_one_passes(build, tokens):
+    """SparseAttention's per-call path (BoundLaunch: the plan evaluated once, only the query, top-k
+    and output addresses written per call) queues the same kernels with the same grids and the
+    same argument values as a launch that works everything out from the operands."""
+    out, kernels = build
+    entry = kernels[MMA.name]
+    driver = _RecordingDriver()
+    sk = StreamKernel(MMA.name, (out / entry["file"]).read_bytes(), (out / entry["launch_plan"]["file"]).read_text(),
+                      driver)
+    driver.sk = sk
+    first = _mma_operands(tokens, 1)
+    bound = sk.bind(first, variable=(0, 3, 9))
+    later = list(first)
+    for i, t in zip((0, 3, 9), _mma_operands(tokens, 2)[0:1] + [torch.zeros_like(first[3]), torch.empty_like(first[9])]):
+        later[i] = t
+    bound(77, later[0].data_ptr(), later[3].data_ptr(), later[9].data_ptr())
+    sk(later, 77)
+    bound_launches, launches = driver.launched[:2], driver.launched[2:]
+    assert [d[0] for d in launches] == ["split", "merge"]
+    assert bound_launches == launches
+    # the later tensors' addresses went out, not those the launch was bound with
+    passed = {v for d in bound_launches for v in d[5]}
+    assert {later[i].data_ptr() for i in (0, 3, 9)} <= passed
+    assert not {first[i].data_ptr() for i in (0, 3, 9)} & passed
