@@ -4,8 +4,9 @@ Per decode case (batch x context x L x heads per KV head x KV dtype; every row s
 its own block always among them):
 - the output of the compiled attend is checked against the torch reference first;
 - kernel_us: the device time of the module's kernels in one forward call (CUDA activity records
-  through torch.profiler), the L2 flushed before each call by reading 512 MiB (cold and clean:
-  every K/V byte comes from DRAM, and the L2 holds no one else's dirty lines);
+  through torch.profiler, durations summed: the gaps between kernels are not in it), the L2
+  flushed before each call by reading 512 MiB (cold and clean: every K/V byte comes from DRAM,
+  and the L2 holds no one else's dirty lines);
 - kernel_dirty_us: the same with the L2 flushed by writing 512 MiB (what the harness reported
   before, and what a `zero_()` flush such as triton.testing.do_bench's leaves): the kernel's
   reads then also pay for writing back up to the L2's size of the flush's dirty lines;
@@ -73,10 +74,10 @@ def events_us(fn, iters, device, flush=None):
 
 
 def kernel_us(fn, device, iters=10, flush=None, by_kernel=None):
-    """Device time of the kernels `fn` launches (all of them, summed per call), median over
-    calls, from CUDA's activity records (torch.profiler/CUPTI sees IREE's launches too).
-    `flush` runs before each call (outside the measurement) to evict the L2. `by_kernel`, a
-    dict, receives each kernel name's median time."""
+    """Device time of the kernels `fn` launches (their durations summed per call), median over
+    calls, from CUDA's activity records (torch.profiler/CUPTI sees IREE's launches too). The gaps
+    between kernels are not in it (graph_us has them). `flush` runs before each call (outside the
+    measurement) to evict the L2. `by_kernel`, a dict, receives each kernel name's median time."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -387,6 +388,8 @@ def main(argv=None):
     p.add_argument("--matrix", default="auto", help="GPU attend variants, comma list: auto (the target's matrix "
                    "cores where possible: mma on cuda, mfma on hip), fma (portable), mma, mfma")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--dependent-launch", choices=("auto", "on", "off"), default="auto",
+                   help="stream launches as programmatic dependent launches: auto = where the GPU has them (sm_90+)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--plot", help="write a PNG of GB/s vs batch here (needs matplotlib)")
     p.add_argument("--from-json", help="no run: print the table (and --plot) of an earlier run's JSON")
@@ -401,7 +404,8 @@ def main(argv=None):
     if not a.build_dir:
         p.error("--build-dir is required for a run")
     device = torch.device("cuda" if a.target in ("cuda", "hip") else "cpu")
-    lib = KernelLibrary(a.target, a.build_dir, compile_missing=False)
+    lib = KernelLibrary(a.target, a.build_dir, compile_missing=False,
+                        dependent_launch={"auto": None, "on": True, "off": False}[a.dependent_launch])
     copy = copy_bandwidth_GBps(device) if device.type == "cuda" else float("nan")
     rows = []
 
@@ -410,7 +414,8 @@ def main(argv=None):
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"copy_GBps": copy, "device": torch.cuda.get_device_name() if device.type == "cuda"
-                           else "cpu", "rows": rows}, f, indent=1)
+                           else "cpu", "dependent_launch": lib.stream_launch and lib.dependent_launch,
+                           "rows": rows}, f, indent=1)
 
     ints = lambda s: [int(x) for x in s.split(",") if x]
     for matrix in a.matrix.split(","):

@@ -113,6 +113,31 @@ def ptx_of(vmfb: bytes) -> bytes:
     return vmfb[at:at + n].rstrip(b"\0")
 
 
+def with_dependent_launch(ptx: str) -> str:
+    """The PTX with each kernel made ready for a programmatic dependent launch (sm_90's PDL): its
+    first instruction waits for the kernel before it on the stream to have finished and its
+    writes to be visible (`griddepcontrol.wait`). Launched with the programmatic-serialization
+    attribute, a kernel is then launched as the previous one's workgroups retire (its implicit
+    trigger) rather than after its end, so its launch overlaps that kernel's tail; without the
+    attribute the wait is a no-op. No kernel triggers early (`griddepcontrol.launch_dependents`):
+    on the H200 that made a decode step slower (the waiting workgroups hold SM slots;
+    tools/PERF.md). Needs PTX ISA 7.8 and sm_90, which the directives are raised to (IREE writes
+    7.6 / sm_80; the JIT compiles for the device either way)."""
+    version = re.search(r"^\.version (\d+)\.(\d+)$", ptx, re.M)
+    target = re.search(r"^\.target sm_(\d+)$", ptx, re.M)
+    if version is None or target is None:
+        raise ValueError("ptx: expected `.version X.Y` and `.target sm_NN` lines")
+    if (int(version[1]), int(version[2])) < (7, 8):
+        ptx = ptx[:version.start()] + ".version 7.8" + ptx[version.end():]
+    ptx = re.sub(r"^\.target sm_(\d+)$", lambda m: f".target sm_{max(int(m[1]), 90)}", ptx, count=1, flags=re.M)
+    # after each entry's register declarations, before its first instruction
+    body = re.compile(r"(\.visible \.entry \w+\(.*?\)[^{]*\{\n(?:\s*\.reg [^\n]*\n|\s*\n)*)", re.S)
+    ptx, n = body.subn(lambda m: m[1] + "\tgriddepcontrol.wait;\n", ptx)
+    if n != len(ptx_entries(ptx)):
+        raise ValueError(f"ptx: found the body of {n} of its {len(ptx_entries(ptx))} entries")
+    return ptx
+
+
 def ptx_entries(ptx: str) -> dict:
     """{kernel: (block dims, pointer params, 32-bit params)} of the PTX's entry points."""
     out = {}
@@ -159,25 +184,60 @@ class CudaDriver:
         return module, functions
 
 
-class _Launch:
-    """One dispatch of a plan: its kernel, grid and a reusable argument block."""
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
 
-    def __init__(self, fn, grid, block, shared, bindings, constants):
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int32 * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3), ("shared", ctypes.c_uint32),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint32)]
+
+
+class _Launch:
+    """One dispatch of a plan: its kernel, grid and a reusable argument block; with `dependent`, a
+    reusable cuLaunchKernelEx configuration that makes it a programmatic dependent launch."""
+
+    def __init__(self, fn, grid, block, shared, bindings, constants, dependent=False):
         self.fn, self.grid, self.block, self.shared, self.bindings = fn, grid, block, shared, bindings
+        self.dependent = dependent
         self.pointers = [ctypes.c_uint64(0) for _ in bindings]
         self.constants = [ctypes.c_uint32(c) for c in constants]
         slots = self.pointers + self.constants
         self.args = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
+        self.config = None
+        if dependent:
+            self.attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+            self.attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+            self.config = _LaunchConfig((ctypes.c_uint32 * 3)(*grid), (ctypes.c_uint32 * 3)(*block), shared, None,
+                                        ctypes.pointer(self.attribute), 1)
+            self.config_ref = ctypes.byref(self.config)
+
+    def launch(self, lib, stream: int) -> int:
+        """Queue it on `stream` (the CUresult)."""
+        if self.config is not None:
+            self.config.stream = stream
+            return lib.cuLaunchKernelEx(self.config_ref, self.fn, self.args, None)
+        return lib.cuLaunchKernel(self.fn, self.grid[0], self.grid[1], self.grid[2], self.block[0], self.block[1],
+                                  self.block[2], self.shared, ctypes.c_void_p(stream), self.args, None)
 
 
 class StreamKernel:
     """A cuda module's `main`, launched on a given stream (see the module docstring)."""
 
-    def __init__(self, name: str, vmfb: bytes, plan_text: str, driver: CudaDriver | None = None):
+    def __init__(self, name: str, vmfb: bytes, plan_text: str, driver: CudaDriver | None = None,
+                 dependent_launch: bool = False):
+        """dependent_launch: launch the kernels as programmatic dependent launches (sm_90 and
+        later: see `with_dependent_launch`)."""
         self.name = name
         self.driver = driver or CudaDriver()
+        self.dependent_launch = dependent_launch
         ptx = ptx_of(vmfb)
         self.entries = ptx_entries(ptx.decode())
+        if dependent_launch:
+            ptx = with_dependent_launch(ptx.decode()).encode()
         self.module, self.functions = self.driver.load(ptx, self.entries)
         self.shared = {n: shared_bytes(vmfb, e[0]) for n, e in self.entries.items()}
         self.plan = DispatchPlan(plan_text)
@@ -200,7 +260,8 @@ class StreamKernel:
             if (len(bindings), len(constants)) != (n_pointers, n_words):
                 raise RuntimeError(f"{self.name}: main passes {name} {len(bindings)} bindings and {len(constants)} "
                                    f"constants, its PTX takes {n_pointers} and {n_words}")
-            launches.append(_Launch(self.functions[name], grid, block, self.shared[name], bindings, constants))
+            launches.append(_Launch(self.functions[name], grid, block, self.shared[name], bindings, constants,
+                                    self.dependent_launch))
         return launches
 
     def __call__(self, tensors, stream: int):
@@ -211,10 +272,9 @@ class StreamKernel:
         for d in launches:
             for slot, (k, offset) in zip(d.pointers, d.bindings):
                 slot.value = tensors[k].data_ptr() + offset
-            rc = lib.cuLaunchKernel(d.fn, d.grid[0], d.grid[1], d.grid[2], d.block[0], d.block[1], d.block[2],
-                                    d.shared, ctypes.c_void_p(stream), d.args, None)
+            rc = d.launch(lib, stream)
             if rc:
-                self.driver.check(rc, f"{self.name}: cuLaunchKernel")
+                self.driver.check(rc, f"{self.name}: launch")
 
     def bind(self, tensors, variable):
         """`main` over these operands, of which those at the indices `variable` may move between
@@ -231,23 +291,22 @@ class BoundLaunch:
     def __init__(self, sk: StreamKernel, tensors, variable):
         self.name, self._driver = sk.name, sk.driver
         self._keep = list(tensors)
-        self._launches = [_Launch(d.fn, d.grid, d.block, d.shared, d.bindings, [c.value for c in d.constants])
-                          for d in sk._dispatches(tensors)]  # argument blocks of its own
+        self._launches = [_Launch(d.fn, d.grid, d.block, d.shared, d.bindings, [c.value for c in d.constants],
+                                  d.dependent) for d in sk._dispatches(tensors)]  # argument blocks of its own
         self._moving = []  # (pointer slot, index into the call's addresses, byte offset)
         for d in self._launches:
             for slot, (k, offset) in zip(d.pointers, d.bindings):
                 slot.value = tensors[k].data_ptr() + offset
                 if k in variable:
                     self._moving.append((slot, variable.index(k), offset))
-        self._calls = [(d.fn, *d.grid, *d.block, d.shared, d.args) for d in self._launches]
 
     def __call__(self, stream: int, *addresses):
         """Queue the kernels on `stream` with the variable operands at `addresses` (data_ptr()s, in
         the order of `variable`)."""
         for slot, i, offset in self._moving:
             slot.value = addresses[i] + offset
-        launch, stream = self._driver.lib.cuLaunchKernel, ctypes.c_void_p(stream)
-        for fn, gx, gy, gz, bx, by, bz, shared, args in self._calls:
-            rc = launch(fn, gx, gy, gz, bx, by, bz, shared, stream, args, None)
+        lib = self._driver.lib
+        for d in self._launches:
+            rc = d.launch(lib, stream)
             if rc:
-                self._driver.check(rc, f"{self.name}: cuLaunchKernel")
+                self._driver.check(rc, f"{self.name}: launch")

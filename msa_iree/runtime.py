@@ -97,12 +97,14 @@ class KernelLibrary:
     cuda build of `msa-iree compile` does) are launched on torch's current stream by
     msa_iree.launch, queued rather than waited for, and capturable by CUDA graphs; False calls
     them through IREE's runtime, which runs them on its own stream and waits for them.
+    dependent_launch (stream launches): launch each kernel as a programmatic dependent launch, its
+    launch overlapping the previous kernel's tail; None (default): where the GPU has them (sm_90+).
     """
 
     _devices: dict[str, object] = {}
 
     def __init__(self, target: str = "host", build_dir=None, *, compile_missing=True, log=None,
-                 stream_launch: bool = True):
+                 stream_launch: bool = True, dependent_launch: bool | None = None):
         self.target = check_target(target)
         self.driver = DRIVERS[target]
         self.build_dir = pathlib.Path(build_dir) if build_dir else None
@@ -110,6 +112,10 @@ class KernelLibrary:
         # cuda: in-place kernels whose build saved a launch plan run on torch's current stream
         # (msa_iree.launch: queued, not waited for); else through IREE's synchronous call
         self.stream_launch = stream_launch and self.driver == "cuda"
+        # stream launches as programmatic dependent launches (each kernel's launch overlaps the
+        # tail of the kernel before it): None = where the GPU has them (sm_90 and later)
+        self._dependent_launch = dependent_launch
+        self._checked_dependent = False
         self._stream_kernels = {}
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.manifest = self._read_manifest() if self.build_dir else {"kernels": {}}
@@ -197,9 +203,24 @@ class KernelLibrary:
 
                 self._check_arch(spec)
                 vmfb, plan = (self._verified(e) for e in (entry, entry["launch_plan"]))
-                sk = StreamKernel(spec.name, vmfb, plan.decode())
+                sk = StreamKernel(spec.name, vmfb, plan.decode(), dependent_launch=self.dependent_launch)
             self._stream_kernels[spec.name] = sk
         return sk
+
+    @property
+    def dependent_launch(self) -> bool:
+        """Whether stream launches are programmatic dependent launches (msa_iree.launch.
+        with_dependent_launch): by default where the current GPU has them (compute capability 9.0+)."""
+        if not self._checked_dependent:
+            wanted, self._dependent_launch = self._dependent_launch, False
+            if self.stream_launch and wanted is not False:
+                major, minor = torch.cuda.get_device_capability()
+                if wanted and major < 9:
+                    raise ValueError(f"dependent_launch: expected a GPU of compute capability 9.0 or later "
+                                     f"(programmatic dependent launches), got {major}.{minor}; pass None or False")
+                self._dependent_launch = major >= 9
+            self._checked_dependent = True
+        return self._dependent_launch
 
     def _verified(self, entry) -> bytes:
         """The bytes of a file the manifest lists, checked against its recorded sha256."""

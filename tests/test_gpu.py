@@ -554,3 +554,28 @@ def test_later_calls_of_a_step_are_checked_and_attend(cuda_kernels, kv):
         attn.forward(q, c.k_cache, c.v_cache, out, fewer.long(), md, c.k_scale, c.v_scale)
     with pytest.raises(ValueError, match="topk: expected at least num_actual_tokens=8 rows"):
         attn.forward(q, c.k_cache, c.v_cache, out, fewer[:, :4], md, c.k_scale, c.v_scale)
+
+
+def test_dependent_launches_read_what_the_kernel_before_wrote(cuda_kernels):
+    """Programmatic dependent launches (sm_90+) start a kernel before the one ahead of it has
+    finished: each must wait for it before reading. Six layers chained with nothing between them,
+    each layer's query the previous layer's output buffer (NaN until that layer's @merge writes
+    it), and all sharing one workspace: every layer's output is the reference's for its query."""
+    from msa_iree.bench import _decode_metadata, _decode_setup
+
+    if not cuda_kernels.dependent_launch:
+        pytest.skip("this GPU has no programmatic dependent launch (sm_90+): stream order alone applies")
+    dev = torch.device("cuda")
+    c, attn, _, _ = _decode_setup(cuda_kernels, dev, 8, 4096, 1, 16, "bf16", rotations=1)
+    (md,) = _decode_metadata(cuda_kernels, dev, c, [c.block_table])
+    buffers = [c.q] + [torch.full_like(c.q, float("nan")) for _ in range(6)]
+    torch.cuda.synchronize()
+    for q, out in zip(buffers, buffers[1:]):
+        attn.forward(q, c.k_cache, c.v_cache, out, c.topk, md)
+    got = [b.cpu() for b in buffers]
+    for i in range(6):
+        ref = torch.empty(c.q.shape, dtype=c.q.dtype)
+        R.sparse_attn_decode(got[i], c.k_cache.cpu(), c.v_cache.cpu(), c.topk.cpu(), c.block_table.cpu(),
+                             c.seq_lens.cpu(), 1, attn.scale, ref)
+        assert not got[i + 1].isnan().any(), i
+        assert (got[i + 1].float() - ref.float()).abs().max() < 2 * 2 ** -8 * ref.float().abs().max() + 1e-2, i

@@ -4,6 +4,7 @@ constants as the PTX takes, and refuses what IREE's own call would refuse. The l
 themselves run on a GPU (tests/test_gpu.py compares them byte for byte with IREE's call)."""
 import ctypes
 import json
+import re
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from msa_iree import compile as C
 from msa_iree import kernels as K
 from msa_iree.config import MsaConfig
-from msa_iree.launch import DispatchPlan, StreamKernel, ptx_entries, ptx_of, shared_bytes
+from msa_iree.launch import DispatchPlan, StreamKernel, ptx_entries, ptx_of, shared_bytes, with_dependent_launch
 
 MMA = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16)                      # 16 heads, 1 KV head
 FMA = K.SparseAttnDecodeGpuSpec(MsaConfig(num_heads=16, num_kv_heads=2), 8)          # 8 heads, 2 KV heads
@@ -127,6 +128,12 @@ class _RecordingDriver:
     def load(self, ptx, names):
         return None, {name: ctypes.c_void_p(1000 + i) for i, name in enumerate(names)}
 
+    def cuLaunchKernelEx(self, config_ref, fn, args, extra):  # noqa: N802 - CUDA's name
+        c = config_ref._obj
+        attribute = c.attrs.contents
+        assert (c.num_attrs, attribute.id, attribute.value[0]) == (1, 6, 1)  # programmatic serialization on
+        return self.cuLaunchKernel(fn, *c.grid, *c.block, c.shared, ctypes.c_void_p(c.stream), args, extra)
+
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, shared, stream, args, extra):  # noqa: N802 - CUDA's name
         name = next(n for n, f in self.sk.functions.items() if f.value == fn.value)
         _, pointers, words = self.sk.entries[name]
@@ -145,8 +152,9 @@ def _mma_operands(tokens, seed):
             torch.empty(MMA.workspace_floats(tokens))]
 
 
+@pytest.mark.parametrize("dependent", [False, True], ids=["launch", "dependent-launch"])
 @pytest.mark.parametrize("tokens", [8, 64, 300])
-def test_a_bound_launch_passes_what_an_unbound_one_passes(build, tokens):
+def test_a_bound_launch_passes_what_an_unbound_one_passes(build, tokens, dependent):
     """SparseAttention's per-call path (BoundLaunch: the plan evaluated once, only the query, top-k
     and output addresses written per call) queues the same kernels with the same grids and the
     same argument values as a launch that works everything out from the operands."""
@@ -154,7 +162,7 @@ def test_a_bound_launch_passes_what_an_unbound_one_passes(build, tokens):
     entry = kernels[MMA.name]
     driver = _RecordingDriver()
     sk = StreamKernel(MMA.name, (out / entry["file"]).read_bytes(), (out / entry["launch_plan"]["file"]).read_text(),
-                      driver)
+                      driver, dependent_launch=dependent)
     driver.sk = sk
     first = _mma_operands(tokens, 1)
     bound = sk.bind(first, variable=(0, 3, 9))
@@ -170,3 +178,23 @@ def test_a_bound_launch_passes_what_an_unbound_one_passes(build, tokens):
     passed = {v for d in bound_launches for v in d[5]}
     assert {later[i].data_ptr() for i in (0, 3, 9)} <= passed
     assert not {first[i].data_ptr() for i in (0, 3, 9)} & passed
+
+
+def test_a_dependent_launch_waits_before_its_first_instruction(build):
+    """with_dependent_launch: every entry waits for the kernel before it ahead of everything else
+    it does (any load of another kernel's output comes after the wait); the directives are raised
+    to what griddepcontrol needs and nothing else changes."""
+    out, kernels = build
+    for spec in (MMA, FMA, INSERT):
+        ptx = ptx_of((out / kernels[spec.name]["file"]).read_bytes()).decode()
+        pdl = with_dependent_launch(ptx)
+        assert re.search(r"^\.version (7\.[89]|[89]\.\d)$", pdl, re.M) and re.search(r"^\.target sm_9\d$", pdl, re.M)
+        for name in ptx_entries(ptx):
+            body = pdl[pdl.index(f".entry {name}("):]
+            body = body[body.index("{") + 1:]
+            instructions = [ln.strip() for ln in body.splitlines()
+                            if ln.strip() and not ln.strip().startswith((".reg", "//"))]
+            assert instructions[0] == "griddepcontrol.wait;", (spec.name, name)
+        assert pdl.count("griddepcontrol.wait;") == len(ptx_entries(ptx))
+        strip = lambda t: re.sub(r"^(\.version|\.target|[ \t]*griddepcontrol).*\n", "", t, flags=re.M)
+        assert strip(pdl) == strip(ptx)

@@ -40,11 +40,14 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-dtype", default="bf16")
+    p.add_argument("--dependent-launch", choices=("auto", "on", "off"), default="auto",
+                   help="stream launches as programmatic dependent launches: auto = where the GPU has them")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile N forward calls (cProfile) and print the 20 costliest functions")
     a = p.parse_args()
     dev = torch.device("cuda")
-    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False)
+    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False,
+                        dependent_launch={"auto": None, "on": True, "off": False}[a.dependent_launch])
     c, attn, out, fwd = _decode_setup(lib, dev, a.batch, 4096, 1, a.heads, a.kv_dtype, rotations=1)
     fwd()
     spec, inputs, ws = decode_module_operands(attn, c)
@@ -84,7 +87,8 @@ def main():
                 fwd()
         rows[f"CUDA graph of {layers} forwards, replay + sync, per call"] = \
             median_us(lambda: (graph.replay(), torch.cuda.synchronize()), iters=20) / layers
-    print(f"decode B={a.batch} heads={a.heads} kv={a.kv_dtype}, host-clock medians:")
+    print(f"decode B={a.batch} heads={a.heads} kv={a.kv_dtype}, dependent launch {lib.dependent_launch}, "
+          "host-clock medians:")
     for k, v in rows.items():
         print(f"  {k:42s} {v:8.1f} us")
     if a.profile:
