@@ -631,7 +631,7 @@ class SparseAttention:
             if getattr(spec, "output_storage", False):  # (checks.check_out: output is contiguous)
                 ws = self._workspace_for(spec, hi - lo, query.device)
                 self.kernels.run(spec, *args, out=[_rows(output, lo, hi), ws])  # written in place
-                if phase is metadata.decode and metadata.prefill is None:
+                if phase is metadata.decode and self.gpu_decode and not emitted and metadata.prefill is None:
                     self._decode_launch = _DecodeLaunch.bind(self.kernels, spec, metadata, layer, (k_cache, v_cache,
                                                              k_scale, v_scale), (query, topk, output), args, ws)
                 continue
@@ -648,7 +648,8 @@ class _DecodeLaunch:
     and scales, checking only what may change per call (the query, output and top-k tensors: the
     shapes, dtypes and device bound, contiguous) before it launches; any other call takes the
     checked path (and binds anew). A cache or scale tensor changed in place by set_ or resize_
-    keeps its identity and is not seen."""
+    keeps its identity and is not seen. It keeps the step's metadata and the layer's tensors alive
+    until the next binding."""
 
     @classmethod
     def bind(cls, kernels, spec, metadata, layer, layer_tensors, call_tensors, args, workspace):
@@ -665,8 +666,8 @@ class _DecodeLaunch:
         self.cache_addresses = tuple(t.data_ptr() for t in layer_tensors[:2])
         self.q_shape, self.q_dtype, self.topk_shape = query.shape, query.dtype, topk.shape
         self.device_index = query.get_device()
-        rows = (args[0], args[3], _rows(output, 0, args[0].shape[0]))
-        self.launch = sk.bind([*args, rows[2], workspace], variable=(0, 3, len(args)))
+        out_rows = _rows(output, 0, args[0].shape[0])
+        self.launch = sk.bind([*args, out_rows, workspace], variable=(0, 3, len(args)))
         return self
 
     def __call__(self, metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale) -> bool:
