@@ -346,8 +346,11 @@ class MsaMetadata:
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
     slot_mapping: torch.Tensor              # [num_tokens] logical slots, -1 = padding
-    insert_token_index: torch.Tensor        # [M] int32 tokens with a slot (padding dropped)
-    insert_slots: torch.Tensor              # [M] int32 their logical slots
+    insert_token_index: torch.Tensor        # [M] int32 tokens to write (see insert_slots)
+    insert_slots: torch.Tensor              # [M] int32 their logical slots: padding dropped, or (the
+                                            # GPU writer, slot_capacity set) every token's, -1 = skip, at
+                                            # addresses kept across steps
+    slot_capacity: int | None = None        # the builder checked every slot below this many tokens
 
 
 class MetadataBuilder:
@@ -355,6 +358,12 @@ class MetadataBuilder:
 
     page16_block_table_buffer: [max_num_seqs, cdiv(max_model_len, 128)] int32, allocated here and
     kept at one address across steps (a captured decode replays through it).
+
+    With num_cache_blocks and a library whose KV insert is the GPU writer (which skips slot -1),
+    the step's slots are range-checked here, once, and passed to `insert_kv` whole (padding
+    included) from buffers kept at one address: its per-layer calls then neither sync with the
+    host nor change shape between steps of one size, so a decode step with its inserts can be
+    captured in a CUDA graph.
     """
 
     def __init__(self, max_num_seqs: int, max_model_len: int, *, num_cache_blocks: int | None = None,
@@ -363,6 +372,7 @@ class MetadataBuilder:
         self.num_cache_blocks = num_cache_blocks
         cols = -(-max_model_len // BLOCK_SIZE)
         self.page16_block_table_buffer = torch.zeros(max_num_seqs, cols, dtype=torch.int32, device=device)
+        self._insert_buffers = None  # (token index 0..n-1, slots) int32, grown to the largest step
 
     def build(self, block_table, seq_lens, query_start_loc, num_computed_tokens, decode_query_len: int,
               num_decodes: int, slot_mapping=None) -> MsaMetadata:
@@ -407,10 +417,36 @@ class MetadataBuilder:
                                       page16[num_decodes:])
         if slot_mapping is None:
             slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int32)
-        keep = (slot_mapping >= 0).nonzero().reshape(-1)
+        checks.check_shape("slot_mapping", slot_mapping, (None,))
+        if slot_mapping.shape[0] < num_tokens:
+            raise ValueError(f"slot_mapping: expected at least num_tokens={num_tokens} entries, "
+                             f"got {slot_mapping.shape[0]}")
+        slot_mapping = slot_mapping[:num_tokens]  # past the step's tokens: graph padding
+        capacity = None
+        if self.num_cache_blocks is not None:  # once per step, so that insert_kv need not per layer
+            capacity = self.num_cache_blocks * BLOCK_SIZE
+            checks.check_ids_in_range("slot_mapping", slot_mapping[slot_mapping >= 0], capacity)
+        if capacity is not None and self.kernels is not None and self.kernels.target in InsertKvGpuSpec.targets:
+            token_index, slots = self._stable_insert_buffers(slot_mapping)  # whole: the GPU writer skips -1
+        else:
+            keep = (slot_mapping >= 0).nonzero().reshape(-1)
+            token_index, slots = keep.int(), slot_mapping[keep].int()
         return MsaMetadata(num_tokens, num_decodes, num_decode_tokens, num_reqs - num_decodes,
-                           num_tokens - num_decode_tokens, decode, prefill, slot_mapping,
-                           keep.int(), slot_mapping[keep].int())
+                           num_tokens - num_decode_tokens, decode, prefill, slot_mapping, token_index, slots,
+                           capacity)
+
+    def _stable_insert_buffers(self, slot_mapping):
+        """(0..n-1, the slots) as int32 views of buffers kept across steps (reallocated only for a
+        larger step or another device), the slots copied in."""
+        n, device = slot_mapping.shape[0], slot_mapping.device
+        bufs = self._insert_buffers
+        if bufs is None or bufs[0].shape[0] < n or bufs[0].device != device:
+            size = max(n, 1)
+            bufs = self._insert_buffers = (torch.arange(size, dtype=torch.int32, device=device),
+                                           torch.empty(size, dtype=torch.int32, device=device))
+        slots = bufs[1][:n]
+        slots.copy_(slot_mapping)
+        return bufs[0][:n], slots
 
     def _rebase(self, block_table):
         if self.kernels is None or block_table.numel() == 0:
@@ -713,15 +749,26 @@ def insert_kv(kernels: KernelLibrary, key, value, k_cache, v_cache, metadata_or_
     capacity = k_cache.shape[0] // stride * BLOCK_SIZE
     checks.check_scale("k_scale", k_scale, k_cache.dtype, h, capacity)
     checks.check_scale("v_scale", v_scale, k_cache.dtype, h, capacity)
+    checked = False
     if isinstance(metadata_or_slots, MsaMetadata):
-        token_index, slots = metadata_or_slots.insert_token_index, metadata_or_slots.insert_slots
+        md = metadata_or_slots
+        if key.shape[0] < md.num_actual_tokens:
+            raise ValueError(f"key: expected at least num_actual_tokens={md.num_actual_tokens} rows (the step's "
+                             f"tokens), got {key.shape[0]}")
+        token_index, slots = md.insert_token_index, md.insert_slots
+        # range-checked by the builder against at most this cache's capacity: no host sync here
+        checked = md.slot_capacity is not None and md.slot_capacity <= capacity
+        if md.slot_capacity is not None and kernels.target not in InsertKvGpuSpec.targets:
+            keep = (slots >= 0).nonzero().reshape(-1)  # the portable writer takes written tokens only
+            token_index, slots = token_index[keep], slots[keep]
     else:
         checks.check_shape("slot_mapping", metadata_or_slots, (key.shape[0],))
         keep = (metadata_or_slots >= 0).nonzero().reshape(-1)
         token_index, slots = keep.int(), metadata_or_slots[keep].int()
     if slots.numel() == 0:
         return
-    checks.check_ids_in_range("slot_mapping", slots, capacity)
+    if not checked:
+        checks.check_ids_in_range("slot_mapping", slots[slots >= 0], capacity)
     raw = _whole_buffer(k_cache, v_cache)
     cfg = MsaConfig(num_kv_heads=h, kv_dtype=dtype_name(k_cache.dtype), query_dtype=dtype_name(key.dtype))
     # no scale (16-bit caches): ones on the cache's device (a stream launch reads device memory)

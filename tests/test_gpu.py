@@ -579,3 +579,95 @@ def test_dependent_launches_read_what_the_kernel_before_wrote(cuda_kernels):
                              c.seq_lens.cpu(), 1, attn.scale, ref)
         assert not got[i + 1].isnan().any(), i
         assert (got[i + 1].float() - ref.float()).abs().max() < 2 * 2 ** -8 * ref.float().abs().max() + 1e-2, i
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "planes"])
+def test_the_gpu_insert_skips_padding_and_slots_past_the_cache(cuda_kernels, layout):
+    """The GPU writer itself skips a token whose slot is -1 (padding) or past the cache's last
+    block (which the builder refuses before; the writer must not clamp it onto the last page):
+    every other byte of the cache stays as it was."""
+    from msa_iree.kernels import InsertKvGpuSpec
+    from msa_iree.layout import allocate_kv_cache
+
+    g = torch.Generator().manual_seed(9)
+    dev = torch.device("cuda")
+    blocks, n = 3, 6
+    kc, vc = allocate_kv_cache(blocks, 1, torch.bfloat16, layout, fill=0)
+    base = torch.randint(0, 256, (blocks * 16 * 2048 * 2,), generator=g, dtype=torch.uint8)
+    torch.as_strided(kc.view(torch.uint8), (base.numel(),), (1,)).copy_(base)
+    key = torch.randn(n, 1, 128, generator=g).bfloat16()
+    value = torch.randn(n, 1, 128, generator=g).bfloat16()
+    slots = torch.tensor([5, -1, blocks * 128, 200, blocks * 128 + 300, 383], dtype=torch.int32)
+    valid = slots.clone()
+    valid[(slots < 0) | (slots >= blocks * 128)] = -1
+    R.insert_kv(key, value, kc, vc, valid)  # the reference skips -1
+    want = torch.as_strided(kc.view(torch.uint8), (base.numel(),), (1,)).clone()
+
+    gk, gv = allocate_kv_cache(blocks, 1, torch.bfloat16, layout, device=dev, fill=0)
+    raw = torch.as_strided(gk.view(torch.uint8), (base.numel(),), (1,))
+    raw.copy_(base.to(dev))
+    spec = InsertKvGpuSpec(MsaConfig(num_kv_heads=1), 16 if layout == "interleaved" else 8)
+    ones = torch.ones(1, 1, device=dev)
+    whole = raw.view(torch.bfloat16).view(-1, 2048)
+    cuda_kernels.run(spec, whole, key.to(dev), value.to(dev), torch.arange(n, dtype=torch.int32, device=dev),
+                     slots.to(dev), ones, ones, out_dtypes=())
+    got = raw.cpu()
+    bad = (got != want).nonzero().reshape(-1)
+    assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at {bad[:5].tolist()}"
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+def test_a_decode_step_with_its_inserts_is_captured(cuda_kernels, kv):
+    """A decode step as vLLM replays it: the new tokens' K/V inserted, then the attend, captured
+    once in a CUDA graph. The builder (knowing the cache's size) checked the slots and keeps them
+    at one address, so insert_kv does not sync; a later step's new slots (one token now padding),
+    keys, values and queries, written into the same buffers, are what the replay uses."""
+    from msa_iree.bench import _decode_setup
+    from msa_iree.layout import allocate_kv_cache
+    from msa_iree.runtime import MetadataBuilder, insert_kv
+
+    dev = torch.device("cuda")
+    c, attn, _, _ = _decode_setup(cuda_kernels, dev, 8, 4096, 1, 16, kv, rotations=1)
+    builder = MetadataBuilder(8, 4096, num_cache_blocks=c.k_cache.shape[0] // 16, kernels=cuda_kernels, device=dev)
+    pos = c.seq_lens.long() - 1  # each request's new token
+    slots = (c.block_table.long().gather(1, (pos // 128)[:, None])[:, 0] * 128 + pos % 128).int()
+    qsl = torch.arange(9, dtype=torch.int32, device=dev)
+    build = lambda sm: builder.build(c.block_table, c.seq_lens, qsl, c.seq_lens - 1, 1, 8, slot_mapping=sm)
+    md = build(slots)
+    assert md.slot_capacity is not None and md.insert_slots.shape[0] == 8  # whole, not compacted
+    gen = torch.Generator(device=dev).manual_seed(6)
+    key, value = (torch.randn(8, 1, 128, generator=gen, device=dev).bfloat16() for _ in range(2))
+    q, out = c.q.clone(), torch.empty_like(c.q)
+
+    def step():
+        insert_kv(cuda_kernels, key, value, c.k_cache, c.v_cache, md, c.k_scale, c.v_scale)
+        attn.forward(q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale)
+
+    step()  # outside the capture: launch plans, the bound attend, the workspace
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    cpu = lambda t: None if t is None else t.cpu()
+    raw = lambda k: k.reshape(-1).view(torch.uint8)  # the interleaved K view spans the whole buffer
+    for later in range(2):
+        for t in (key, value, q):
+            t.copy_(torch.randn(t.shape, generator=gen, device=dev).to(t.dtype))
+        step_slots = slots.clone()
+        if later:
+            step_slots[3] = -1  # padding this step: its cache slot keeps what the first replay wrote
+            build(step_slots)  # into the builder's buffers, at the captured addresses
+        # the reference: the same step on a CPU copy of the cache (views of one buffer, as on the GPU)
+        kc, vc = allocate_kv_cache(c.k_cache.shape[0] // 16, 1, c.k_cache.dtype)
+        raw(kc).copy_(raw(c.k_cache).cpu())
+        R.insert_kv(key.cpu(), value.cpu(), kc, vc, step_slots.cpu(), cpu(c.k_scale), cpu(c.v_scale))
+        ref = torch.empty(q.shape, dtype=q.dtype)
+        R.sparse_attn_decode(q.cpu(), kc, vc, c.topk.cpu(), c.block_table.cpu(), c.seq_lens.cpu(), 1, attn.scale,
+                             ref, cpu(c.k_scale), cpu(c.v_scale))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(raw(c.k_cache).cpu(), raw(kc)), later  # the whole cache buffer, byte for byte
+        got = out.cpu()
+        assert not got.isnan().any()
+        assert (got.float() - ref.float()).abs().max() < 2 * 2 ** -8 * ref.float().abs().max() + 1e-2, later

@@ -105,11 +105,39 @@ def test_builder_errors(fp8_setup):
         builder.build(bt, c.seq_lens, torch.arange(3, dtype=torch.int32), c.seq_lens - 1, 0, 2)
 
 
+def test_the_builder_checks_the_steps_slots_once(fp8_setup, host_kernels):
+    """With num_cache_blocks the builder range-checks the step's slots (so that insert_kv need not,
+    per layer); padding (-1) passes, a slot past the cache is refused by name, and slots for more
+    tokens than the step has are cut to the step (graph padding), fewer refused."""
+    c, _, _, builder = fp8_setup
+    bt, qsl = c.block_table.clamp(min=0), torch.arange(3, dtype=torch.int32)
+    capacity = builder.num_cache_blocks * 128
+    md = builder.build(bt, c.seq_lens, qsl, c.seq_lens - 1, 1, 2, slot_mapping=torch.tensor([-1, 5, 99]))
+    assert md.slot_capacity == capacity and md.slot_mapping.tolist() == [-1, 5]
+    assert md.insert_slots.tolist() == [5] and md.insert_token_index.tolist() == [1]  # host writer: compacted
+    with pytest.raises(IndexError, match=f"slot_mapping: expected ids in \\[0, {capacity}\\)"):
+        builder.build(bt, c.seq_lens, qsl, c.seq_lens - 1, 1, 2, slot_mapping=torch.tensor([0, capacity]))
+    with pytest.raises(ValueError, match="slot_mapping: expected at least num_tokens=2 entries, got 1"):
+        builder.build(bt, c.seq_lens, qsl, c.seq_lens - 1, 1, 2, slot_mapping=torch.tensor([0]))
+    unchecked = MetadataBuilder(4, 4096, kernels=host_kernels).build(bt, c.seq_lens, qsl, c.seq_lens - 1, 1, 2,
+                                                                      slot_mapping=torch.tensor([0, capacity]))
+    assert unchecked.slot_capacity is None  # insert_kv checks then (test below)
+
+
 def test_insert_rejects_slots_beyond_cache(host_kernels):
     kc, vc = allocate_kv_cache(2, 1, BF16, "interleaved", fill=0)
     key = torch.zeros(1, 1, 128, dtype=BF16)
     with pytest.raises(IndexError, match="slot_mapping"):
         insert_kv(host_kernels, key, key, kc, vc, torch.tensor([256], dtype=torch.int32))
+    # metadata checked against a larger cache than this one: insert_kv checks again
+    md = MetadataBuilder(1, 1024, num_cache_blocks=8, kernels=host_kernels).build(
+        torch.zeros(1, 8, dtype=torch.int32), torch.tensor([300]), torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([299]), 1, 1, slot_mapping=torch.tensor([300]))
+    assert md.slot_capacity == 1024
+    with pytest.raises(IndexError, match="slot_mapping: expected ids in \\[0, 256\\)"):
+        insert_kv(host_kernels, key, key, kc, vc, md)
+    with pytest.raises(ValueError, match="key: expected at least num_actual_tokens=1 rows"):
+        insert_kv(host_kernels, key[:0], key[:0], kc, vc, md)
 
 
 def test_mismatched_builds_are_refused(tmp_path):
