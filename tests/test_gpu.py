@@ -483,6 +483,34 @@ def test_a_scale_changed_in_place_is_seen(cuda_kernels, matrix):
     s.step(["a", "b"], [], 1)
 
 
+def test_a_later_call_of_a_step_sees_a_scale_changed_in_place(cuda_kernels):
+    """The bound path (a later call of the same step) refreshes the contiguous [2, 1] copy of a
+    per-tensor fp8 scale over 2 KV heads on every call, as the checked path does: a scale changed
+    in place between two calls of one step is what the second call uses."""
+    from serving import Server
+
+    s = Server(cuda_kernels, DTYPES["fp8_e4m3fn"], torch.bfloat16, "interleaved", 2, "tensor", seed=8, device="cuda",
+               gpu_matrix="mma")
+    s.step([], [("a", 300), ("b", 140)], 1)
+    md = s.step(["a", "b"], [], 1)  # checks every argument and binds the step's launch
+    bound = s.attn._decode_launch
+    assert bound is not None
+    g = torch.Generator().manual_seed(3)
+    pos = [s.lens["a"] - 1, s.lens["b"] - 1]
+    topk = torch.tensor([[testing.random_topk_row(g, p, 16) for p in pos] for _ in range(2)], dtype=torch.int32)
+    for factor in (1.0, 1.5):
+        s.k_scale.mul_(factor)
+        s.v_scale.mul_(1 / factor)
+        q = torch.randn(2, 16, 128, generator=g).bfloat16()
+        out = torch.full((2, 16, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        s.attn.forward(q.cuda(), s.k_cache, s.v_cache, out, topk.cuda(), md, s.k_scale, s.v_scale)
+        assert s.attn._decode_launch is bound  # served by the binding, not bound anew
+        ref = torch.empty_like(q)
+        R.sparse_attn_decode(q, s.k_cache.cpu(), s.v_cache.cpu(), topk, md.decode.block_table.cpu(),
+                             md.decode.seq_lens.cpu(), 2, 128 ** -0.5, ref, s.k_scale.cpu(), s.v_scale.cpu())
+        assert (out.cpu().float() - ref.float()).abs().max() < 1.7e-2, factor
+
+
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
 def test_forward_is_captured_by_a_cuda_graph(cuda_kernels, kv):
     """vLLM replays decode steps from CUDA graphs. A forward launched on torch's stream is captured
