@@ -374,6 +374,14 @@ def plot(rows, path, copy_GBps=None):
     fig.savefig(path, dpi=110)
 
 
+DEPENDENT_LAUNCH = {"auto": None, "on": True, "off": False}  # --dependent-launch -> KernelLibrary(dependent_launch=)
+
+
+def add_dependent_launch_arg(parser):
+    parser.add_argument("--dependent-launch", choices=tuple(DEPENDENT_LAUNCH), default="auto",
+                        help="stream launches as programmatic dependent launches: auto = where the GPU has them (sm_90+)")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="msa-iree bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -388,8 +396,7 @@ def main(argv=None):
     p.add_argument("--matrix", default="auto", help="GPU attend variants, comma list: auto (the target's matrix "
                    "cores where possible: mma on cuda, mfma on hip), fma (portable), mma, mfma")
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--dependent-launch", choices=("auto", "on", "off"), default="auto",
-                   help="stream launches as programmatic dependent launches: auto = where the GPU has them (sm_90+)")
+    add_dependent_launch_arg(p)
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--plot", help="write a PNG of GB/s vs batch here (needs matplotlib)")
     p.add_argument("--from-json", help="no run: print the table (and --plot) of an earlier run's JSON")
@@ -404,8 +411,7 @@ def main(argv=None):
     if not a.build_dir:
         p.error("--build-dir is required for a run")
     device = torch.device("cuda" if a.target in ("cuda", "hip") else "cpu")
-    lib = KernelLibrary(a.target, a.build_dir, compile_missing=False,
-                        dependent_launch={"auto": None, "on": True, "off": False}[a.dependent_launch])
+    lib = KernelLibrary(a.target, a.build_dir, compile_missing=False, dependent_launch=DEPENDENT_LAUNCH[a.dependent_launch])
     copy = copy_bandwidth_GBps(device) if device.type == "cuda" else float("nan")
     rows = []
 
@@ -414,7 +420,7 @@ def main(argv=None):
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"copy_GBps": copy, "device": torch.cuda.get_device_name() if device.type == "cuda"
-                           else "cpu", "dependent_launch": lib.stream_launch and lib.dependent_launch,
+                           else "cpu", "dependent_launch": lib.dependent_launch,
                            "rows": rows}, f, indent=1)
 
     ints = lambda s: [int(x) for x in s.split(",") if x]

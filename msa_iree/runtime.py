@@ -11,6 +11,7 @@ the GPU are imported into IREE zero-copy through DLPack and results come back th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -114,8 +115,7 @@ class KernelLibrary:
         self.stream_launch = stream_launch and self.driver == "cuda"
         # stream launches as programmatic dependent launches (each kernel's launch overlaps the
         # tail of the kernel before it): None = where the GPU has them (sm_90 and later)
-        self._dependent_launch = dependent_launch
-        self._checked_dependent = False
+        self._dependent_launch_wanted = dependent_launch
         self._stream_kernels = {}
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.manifest = self._read_manifest() if self.build_dir else {"kernels": {}}
@@ -207,20 +207,18 @@ class KernelLibrary:
             self._stream_kernels[spec.name] = sk
         return sk
 
-    @property
+    @functools.cached_property
     def dependent_launch(self) -> bool:
         """Whether stream launches are programmatic dependent launches (msa_iree.launch.
         with_dependent_launch): by default where the current GPU has them (compute capability 9.0+)."""
-        if not self._checked_dependent:
-            wanted, self._dependent_launch = self._dependent_launch, False
-            if self.stream_launch and wanted is not False:
-                major, minor = torch.cuda.get_device_capability()
-                if wanted and major < 9:
-                    raise ValueError(f"dependent_launch: expected a GPU of compute capability 9.0 or later "
-                                     f"(programmatic dependent launches), got {major}.{minor}; pass None or False")
-                self._dependent_launch = major >= 9
-            self._checked_dependent = True
-        return self._dependent_launch
+        wanted = self._dependent_launch_wanted
+        if not self.stream_launch or wanted is False:
+            return False
+        major, minor = torch.cuda.get_device_capability()
+        if wanted and major < 9:
+            raise ValueError(f"dependent_launch: expected a GPU of compute capability 9.0 or later "
+                             f"(programmatic dependent launches), got {major}.{minor}; pass None or False")
+        return major >= 9
 
     def _verified(self, entry) -> bytes:
         """The bytes of a file the manifest lists, checked against its recorded sha256."""
@@ -315,6 +313,12 @@ class KernelLibrary:
 
 
 # ---- per-step metadata (SPEC §7) -------------------------------------------------------------
+
+
+def _written_tokens(slot_mapping):
+    """(token index, slot) int32 of the tokens whose slot is not padding (-1): a host sync."""
+    keep = (slot_mapping >= 0).nonzero().reshape(-1)
+    return keep.int(), slot_mapping[keep].int()
 
 
 @dataclasses.dataclass
@@ -429,8 +433,7 @@ class MetadataBuilder:
         if capacity is not None and self.kernels is not None and self.kernels.target in InsertKvGpuSpec.targets:
             token_index, slots = self._stable_insert_buffers(slot_mapping)  # whole: the GPU writer skips -1
         else:
-            keep = (slot_mapping >= 0).nonzero().reshape(-1)
-            token_index, slots = keep.int(), slot_mapping[keep].int()
+            token_index, slots = _written_tokens(slot_mapping)
         return MsaMetadata(num_tokens, num_decodes, num_decode_tokens, num_reqs - num_decodes,
                            num_tokens - num_decode_tokens, decode, prefill, slot_mapping, token_index, slots,
                            capacity)
@@ -763,8 +766,7 @@ def insert_kv(kernels: KernelLibrary, key, value, k_cache, v_cache, metadata_or_
             token_index, slots = token_index[keep], slots[keep]
     else:
         checks.check_shape("slot_mapping", metadata_or_slots, (key.shape[0],))
-        keep = (metadata_or_slots >= 0).nonzero().reshape(-1)
-        token_index, slots = keep.int(), metadata_or_slots[keep].int()
+        token_index, slots = _written_tokens(metadata_or_slots)
     if slots.numel() == 0:
         return
     if not checked:

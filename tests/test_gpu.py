@@ -64,6 +64,17 @@ def _poisoned_workspace(spec, num_tokens):
     return torch.full((spec.workspace_floats(num_tokens),), float("nan"), device=torch.device("cuda"))
 
 
+def _cpu(t):
+    return None if t is None else t.cpu()
+
+
+def _assert_every_row_written_and_close(got, ref, label=None):
+    """got: an attend's output on the CPU; within two bf16 roundings of the largest reference
+    output (fp8 outputs reach |19|) and a little more, every element written (no NaN poison left)."""
+    assert not got.isnan().any(), label
+    assert (got.float() - ref.float()).abs().max() < 2 * 2 ** -8 * ref.float().abs().max() + 1e-2, label
+
+
 def _decode_spec(matrix, kv="bf16"):
     """The decode attend of one matrix variant (mfma: gfx942's, emulated), 16 heads, L=1, interleaved."""
     return GPU_ATTEND[matrix, "cuda"][0](MsaConfig(kv_dtype=kv), 16)
@@ -530,13 +541,9 @@ def test_forward_is_captured_by_a_cuda_graph(cuda_kernels, kv):
         out.fill_(float("nan"))
         graph.replay()
         ref = torch.empty(c.q.shape, dtype=c.q.dtype)
-        cpu = lambda t: None if t is None else t.cpu()
         R.sparse_attn_decode(c.q.cpu(), c.k_cache.cpu(), c.v_cache.cpu(), c.topk.cpu(), c.block_table.cpu(),
-                             c.seq_lens.cpu(), 1, 128 ** -0.5, ref, cpu(c.k_scale), cpu(c.v_scale))
-        got = out.cpu()
-        assert not got.isnan().any()
-        # two bf16 roundings of the largest output (fp8 outputs reach |19|) and a little more
-        assert (got.float() - ref.float()).abs().max() < 2 * 2 ** -8 * ref.float().abs().max() + 1e-2
+                             c.seq_lens.cpu(), 1, 128 ** -0.5, ref, _cpu(c.k_scale), _cpu(c.v_scale))
+        _assert_every_row_written_and_close(out.cpu(), ref)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
@@ -557,7 +564,6 @@ def test_later_calls_of_a_step_are_checked_and_attend(cuda_kernels, kv):
     fewer = c.topk.clone()
     fewer[..., 8:] = -1  # the own block and 7 older ones
     gen = torch.Generator(device=dev).manual_seed(4)
-    cpu = lambda t: None if t is None else t.cpu()
     bindings = []
     for caches, topk in ((c.k_cache, c.v_cache), c.topk), ((c.k_cache, c.v_cache), fewer), (other, c.topk), \
                         ((c.k_cache, c.v_cache), fewer):
@@ -567,10 +573,8 @@ def test_later_calls_of_a_step_are_checked_and_attend(cuda_kernels, kv):
         bindings.append(attn._decode_launch)
         ref = torch.empty(q.shape, dtype=q.dtype)
         R.sparse_attn_decode(q.cpu(), caches[0].cpu(), caches[1].cpu(), topk.cpu(), c.block_table.cpu(),
-                             c.seq_lens.cpu(), 1, attn.scale, ref, cpu(c.k_scale), cpu(c.v_scale))
-        got = out.cpu()
-        assert not got.isnan().any()
-        assert (got.float() - ref.float()).abs().max() < 2 * 2 ** -8 * ref.float().abs().max() + 1e-2
+                             c.seq_lens.cpu(), 1, attn.scale, ref, _cpu(c.k_scale), _cpu(c.v_scale))
+        _assert_every_row_written_and_close(out.cpu(), ref)
     assert bindings[0] is not None and bindings[1] is bindings[0]  # served by the binding
     assert bindings[2] is not bindings[1] and bindings[3] is not bindings[2]  # other caches: bound anew
     q, out = c.q.clone(), torch.empty_like(c.q)
@@ -605,8 +609,7 @@ def test_dependent_launches_read_what_the_kernel_before_wrote(cuda_kernels):
         ref = torch.empty(c.q.shape, dtype=c.q.dtype)
         R.sparse_attn_decode(got[i], c.k_cache.cpu(), c.v_cache.cpu(), c.topk.cpu(), c.block_table.cpu(),
                              c.seq_lens.cpu(), 1, attn.scale, ref)
-        assert not got[i + 1].isnan().any(), i
-        assert (got[i + 1].float() - ref.float()).abs().max() < 2 * 2 ** -8 * ref.float().abs().max() + 1e-2, i
+        _assert_every_row_written_and_close(got[i + 1], ref, i)
 
 
 @pytest.mark.parametrize("layout", ["interleaved", "planes"])
@@ -676,7 +679,6 @@ def test_a_decode_step_with_its_inserts_is_captured(cuda_kernels, kv):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    cpu = lambda t: None if t is None else t.cpu()
     raw = lambda k: k.reshape(-1).view(torch.uint8)  # the interleaved K view spans the whole buffer
     for later in range(2):
         for t in (key, value, q):
@@ -688,14 +690,12 @@ def test_a_decode_step_with_its_inserts_is_captured(cuda_kernels, kv):
         # the reference: the same step on a CPU copy of the cache (views of one buffer, as on the GPU)
         kc, vc = allocate_kv_cache(c.k_cache.shape[0] // 16, 1, c.k_cache.dtype)
         raw(kc).copy_(raw(c.k_cache).cpu())
-        R.insert_kv(key.cpu(), value.cpu(), kc, vc, step_slots.cpu(), cpu(c.k_scale), cpu(c.v_scale))
+        R.insert_kv(key.cpu(), value.cpu(), kc, vc, step_slots.cpu(), _cpu(c.k_scale), _cpu(c.v_scale))
         ref = torch.empty(q.shape, dtype=q.dtype)
         R.sparse_attn_decode(q.cpu(), kc, vc, c.topk.cpu(), c.block_table.cpu(), c.seq_lens.cpu(), 1, attn.scale,
-                             ref, cpu(c.k_scale), cpu(c.v_scale))
+                             ref, _cpu(c.k_scale), _cpu(c.v_scale))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(raw(c.k_cache).cpu(), raw(kc)), later  # the whole cache buffer, byte for byte
-        got = out.cpu()
-        assert not got.isnan().any()
-        assert (got.float() - ref.float()).abs().max() < 2 * 2 ** -8 * ref.float().abs().max() + 1e-2, later
+        _assert_every_row_written_and_close(out.cpu(), ref, later)

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.utils.dlpack
 
-from msa_iree.bench import _decode_setup, decode_module_operands
+from msa_iree.bench import DEPENDENT_LAUNCH, _decode_setup, add_dependent_launch_arg, decode_module_operands
 from msa_iree.runtime import KernelLibrary
 
 
@@ -40,14 +40,12 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-dtype", default="bf16")
-    p.add_argument("--dependent-launch", choices=("auto", "on", "off"), default="auto",
-                   help="stream launches as programmatic dependent launches: auto = where the GPU has them")
+    add_dependent_launch_arg(p)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile N forward calls (cProfile) and print the 20 costliest functions")
     a = p.parse_args()
     dev = torch.device("cuda")
-    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False,
-                        dependent_launch={"auto": None, "on": True, "off": False}[a.dependent_launch])
+    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, dependent_launch=DEPENDENT_LAUNCH[a.dependent_launch])
     c, attn, out, fwd = _decode_setup(lib, dev, a.batch, 4096, 1, a.heads, a.kv_dtype, rotations=1)
     fwd()
     spec, inputs, ws = decode_module_operands(attn, c)
