@@ -121,6 +121,15 @@ class KernelLibrary:
         self.manifest = self._read_manifest() if self.build_dir else {"kernels": {}}
         self._functions = {}
         self._entries = {}
+        self._unit_scales = {}  # device -> [1, 1] f32 ones (insert_kv's scale operand for 16-bit caches)
+
+    def unit_scale(self, num_kv_heads: int, device) -> torch.Tensor:
+        """[H, 1] f32 ones on `device`, the scale operand of a 16-bit cache: made once per device,
+        so that a KV insert allocates nothing (and queues no fill kernel) per call."""
+        ones = self._unit_scales.get(device)
+        if ones is None:
+            ones = self._unit_scales[device] = torch.ones(1, 1, device=device)
+        return ones.expand(num_kv_heads, 1)
 
     @property
     def config(self):
@@ -774,7 +783,7 @@ def insert_kv(kernels: KernelLibrary, key, value, k_cache, v_cache, metadata_or_
     raw = _whole_buffer(k_cache, v_cache)
     cfg = MsaConfig(num_kv_heads=h, kv_dtype=dtype_name(k_cache.dtype), query_dtype=dtype_name(key.dtype))
     # no scale (16-bit caches): ones on the cache's device (a stream launch reads device memory)
-    ks, vs = module_scale(k_scale, h, k_cache.device), module_scale(v_scale, h, k_cache.device)
+    ks, vs = (kernels.unit_scale(h, k_cache.device) if s is None else module_scale(s, h) for s in (k_scale, v_scale))
     storage = storage_dtype(k_cache.dtype)
     if kernels.target in InsertKvGpuSpec.targets:  # in place: the module writes into the cache's own memory
         kernels.run(InsertKvGpuSpec(cfg, stride), raw.view(storage), key, value, token_index, slots, ks, vs,

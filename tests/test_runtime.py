@@ -140,6 +140,17 @@ def test_insert_rejects_slots_beyond_cache(host_kernels):
         insert_kv(host_kernels, key[:0], key[:0], kc, vc, md)
 
 
+def test_insert_kv_unit_scale_is_made_once_per_device():
+    """A 16-bit cache's scale operand (ones) is one tensor per library and device, handed out as
+    [H, 1] views: insert_kv allocates nothing (queues no fill kernel) per call for it."""
+    lib = KernelLibrary("host")
+    cpu = torch.device("cpu")
+    two, four = lib.unit_scale(2, cpu), lib.unit_scale(4, cpu)
+    assert two.shape == (2, 1) and four.shape == (4, 1) and two.dtype == torch.float32
+    assert two.eq(1).all() and four.eq(1).all()
+    assert two.data_ptr() == four.data_ptr() == lib.unit_scale(1, cpu).data_ptr()
+
+
 def test_mismatched_builds_are_refused(tmp_path):
     from msa_iree import compile as C
     from msa_iree import kernels as K
