@@ -586,7 +586,8 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     prefill = False
     mma = False
     min_ctas_per_sm = None  # workgroups per SM asked of ptxas (mma variant only; caps its registers)
-    hw_fp8 = False  # e4m3fn converted by the hardware (mma variant on CUDA sm_89+ only)
+    # fp8 converted by the hardware: e4m3fn on CUDA sm_89+ (mma variant), e4m3fnuz on gfx942 (mfma)
+    hw_fp8 = False
     async_kv = False  # K/V staged in LDS by cp.async one step ahead (mma variant only)
     mfma = False  # both products on gfx942's matrix cores (kernels_mlir/mfma_split.j2)
     emulate_mfma = False  # ... each MFMA computed through LDS instead, so that CUDA can run and test it
@@ -650,12 +651,13 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
 
     @property
     def uses_hw_fp8(self) -> bool:
-        return self.mma and self.hw_fp8 and self.cfg.kv_dtype == "fp8_e4m3fn"
+        native = "fp8_e4m3fn" if self.mma else "fp8_e4m3fnuz" if self.mfma else None
+        return self.hw_fp8 and self.cfg.kv_dtype == native
 
     @property
     def cuda_arch(self):
         # cvt.rn.f16x2.e4m3x2 exists from sm_89 (Ada, Hopper) on: such a module does not load on sm_80
-        return 89 if self.uses_hw_fp8 else None
+        return 89 if self.mma and self.uses_hw_fp8 else None
 
 
 class SparseAttnPrefillGpuSpec(SparseAttnDecodeGpuSpec):
@@ -779,6 +781,11 @@ class SparseAttnDecodeMfmaSpec(_MatrixCoreSpec):
     # 4 waves per SIMD asked of the register allocator (<= 128 VGPRs): fp8 takes 124 with it, 128
     # without (bf16 111 either way); with q in registers it had taken 155 (3 waves) or spilled
     waves_per_eu = 4
+    # e4m3fnuz K/V converted by gfx942's v_cvt_pk_f32_fp8 (+ v_cvt_pkrtz_f16_f32): 4 instructions per
+    # 4 values instead of ~19 integer ops (one a quarter-rate v_mul_lo_u32). With V's tail masked
+    # by one AND a word: @split 1800 -> 1299 instructions, its block loop ~943 -> ~478 a wave
+    # (gfx942 ISA, tools/PERF.md). The emulated twin runs the same conversion in software. NOT RUN
+    hw_fp8 = True
     # the page ids wait on one global load up to 256 block-table columns (32K tokens a request):
     # 1 KiB of LDS keeps 4 workgroups (16 waves) a CU; on the H200 the CUDA mma attend's 1024 took
     # TP4 bf16 L=1 from 9.1 to 8.2 us at B=8, 27.5 to 26.7 at B=64; gfx942's gain is unmeasured

@@ -142,12 +142,14 @@ GPU_DECODE_CASES = (
     (8, 1, "fp8_e4m3fn", "bf16", 1, 16, "tensor"),
     (16, 2, "bf16", "bf16", 2, 16, "tensor"),
     (16, 1, "fp16", "fp16", 3, 8, "tensor"),
+    (8, 1, "fp8_e4m3fnuz", "bf16", 1, 16, "token"),  # gfx942's fp8 (its MFMA attend converts it in hardware)
 )
 # serving simulations through SparseAttention on the GPU: (kv dtype, query dtype, layout, kv heads, scale mode)
 GPU_SERVING_CASES = (
     ("bf16", "bf16", "interleaved", 1, "tensor"),
     ("fp8_e4m3fn", "bf16", "planes", 1, "token"),
     ("fp8_e4m3fn", "bf16", "interleaved", 2, "tensor"),  # a scalar scale expanded over 2 KV heads
+    ("fp8_e4m3fnuz", "bf16", "interleaved", 2, "token"),  # gfx942's fp8, per-token scales over 2 KV heads
 )
 
 

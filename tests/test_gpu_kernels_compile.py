@@ -74,7 +74,8 @@ def test_gfx942_mfma_isa(tmp_path):
     twin, tests/test_gpu.py): 2 dispatches, both products on the matrix cores (16 QK + 16 PV MFMAs
     a block), no scratch, >= 4 waves per SIMD counting registers and LDS, every K/V load 16 bytes
     (bf16/f16: 8 K + 8 V a block, plus q's one copy into LDS; fp8: 4 K + 4 V, V traded between
-    lane pairs), no 8-byte loads."""
+    lane pairs), no 8-byte loads. e4m3fnuz (gfx942's fp8) converts in hardware: 2 v_cvt_pk_f32_fp8
+    per K/V word (16 K + 16 V words a block); e4m3fn decodes by integer ops."""
     C.build(None, ["gfx942"], tmp_path, specs=MFMA, log=lambda m: None)
     report = {r["kernel"]: r for r in kernel_report(tmp_path)}
     for spec in MFMA:
@@ -86,6 +87,7 @@ def test_gfx942_mfma_isa(tmp_path):
         assert split["waves_per_simd"] >= 4, split
         assert split["global_load_x4"] >= (4 + 4 + 1 if spec.cfg.is_fp8 else 17), split
         assert split["global_load_x2"] == 0, split
+        assert split["cvt_fp8"] == (64 if spec.cfg.kv_dtype == "fp8_e4m3fnuz" else 0), split
 
 
 def test_waves_per_simd_counts_lds():
