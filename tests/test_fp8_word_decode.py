@@ -11,8 +11,10 @@ import torch
 from msa_iree.compile import compile_mlir
 from msa_iree.kernels import _template_env
 
-HARNESS = """
-{%- from "fp8_word_decode.j2" import decode_word_constants, decode_word_f16 with context %}
+def _harness(body: str) -> str:
+    """A host function mapping i32 words to two i32 results; `body` decodes %x and yields them."""
+    return """
+{%- from "fp8_word_decode.j2" import decode_word_constants, decode_word_f16, fnuz_word_f16 with context %}
 #map = affine_map<(d0) -> (d0)>
 func.func @main(%w: tensor<?xi32>) -> (tensor<?xi32>, tensor<?xi32>) {
   %c0 = arith.constant 0 : index
@@ -22,12 +24,16 @@ func.func @main(%w: tensor<?xi32>) -> (tensor<?xi32>, tensor<?xi32>) {
       ins(%w : tensor<?xi32>) outs(%e, %e : tensor<?xi32>, tensor<?xi32>) {
   ^bb0(%x: i32, %o0: i32, %o1: i32):
 {{ decode_word_constants() }}
-{{ decode_word_f16("d", "x") }}
-    linalg.yield %d_a, %d_b : i32, i32
+""" + body + """
   } -> (tensor<?xi32>, tensor<?xi32>)
   return %r#0, %r#1 : tensor<?xi32>, tensor<?xi32>
 }
 """
+
+
+# the integer decode: two f16 pairs as i32 words
+HARNESS = _harness("""{{ decode_word_f16("d", "x") }}
+    linalg.yield %d_a, %d_b : i32, i32""")
 
 FORMATS = {"fn": (torch.float8_e4m3fn, 2.0 ** 8), "fnuz": (torch.float8_e4m3fnuz, 2.0 ** 7)}
 
@@ -38,7 +44,7 @@ def decode_module():
 
     modules = {}
     for fmt in FORMATS:
-        vmfb = compile_mlir(_template_env().from_string(HARNESS).render(FP8=fmt, AMDCVT=False), "host")
+        vmfb = compile_mlir(_template_env().from_string(HARNESS).render(FP8=fmt, AMDCVT=False, EMULATE=False), "host")
         ctx = rt.SystemContext(config=rt.Config("local-task"))
         ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
         modules[fmt] = ctx.modules.module["main"]
@@ -73,26 +79,12 @@ def test_word_decode_matches_torch_for_every_byte(decode_module, fmt):
     assert torch.equal(got[~nan].signbit(), want[~nan].signbit())   # -0 stays -0 (e4m3fn 0x80)
 
 
-FNUZ_HW_HARNESS = """
-{%- from "fp8_word_decode.j2" import decode_word_constants, fnuz_word_f16 with context %}
-#map = affine_map<(d0) -> (d0)>
-func.func @main(%w: tensor<?xi32>) -> (tensor<?xi32>, tensor<?xi32>) {
-  %c0 = arith.constant 0 : index
-  %n = tensor.dim %w, %c0 : tensor<?xi32>
-  %e = tensor.empty(%n) : tensor<?xi32>
-  %r:2 = linalg.generic {indexing_maps = [#map, #map, #map], iterator_types = ["parallel"]}
-      ins(%w : tensor<?xi32>) outs(%e, %e : tensor<?xi32>, tensor<?xi32>) {
-  ^bb0(%x: i32, %o0: i32, %o1: i32):
-{{ decode_word_constants() }}
-{{ fnuz_word_f16("d", "x") }}
+# the stand-in for gfx942's converter: vector<4xf16> (bytes 0..3) as two i32 words
+FNUZ_HW_HARNESS = _harness("""{{ fnuz_word_f16("d", "x") }}
     %d_i = vector.bitcast %d : vector<4xf16> to vector<2xi32>
     %d_01 = vector.extract %d_i[0] : i32 from vector<2xi32>
     %d_23 = vector.extract %d_i[1] : i32 from vector<2xi32>
-    linalg.yield %d_01, %d_23 : i32, i32
-  } -> (tensor<?xi32>, tensor<?xi32>)
-  return %r#0, %r#1 : tensor<?xi32>, tensor<?xi32>
-}
-"""
+    linalg.yield %d_01, %d_23 : i32, i32""")
 
 
 def test_emulated_fnuz_converter_matches_torch_for_every_byte():
