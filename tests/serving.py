@@ -1,12 +1,13 @@
 """A small serving loop shared by the host and GPU runtime tests: requests over a shared paged
 cache; each step inserts K/V, draws top-k, builds metadata, attends, and checks the output
-against the torch reference (computed on the CPU)."""
+against the torch reference (computed on the CPU). K/V go in through the layer's
+SparseAttention.insert_kv (runtime.insert_kv's checks; on a GPU its bound launch)."""
 import torch
 
 from msa_iree import reference as R
 from msa_iree import testing
 from msa_iree.layout import allocate_kv_cache
-from msa_iree.runtime import MetadataBuilder, SparseAttention, insert_kv
+from msa_iree.runtime import MetadataBuilder, SparseAttention
 
 FP8 = (torch.float8_e4m3fnuz, torch.float8_e4m3fn)
 
@@ -72,7 +73,7 @@ class Server:
 
         key = torch.randn(n, self.h, 128, generator=self.g).to(self.q_dtype).to(self.dev)
         value = torch.randn(n, self.h, 128, generator=self.g).to(self.q_dtype).to(self.dev)
-        insert_kv(self.kernels, key, value, self.k_cache, self.v_cache, md, self.k_scale, self.v_scale)
+        self.attn.insert_kv(key, value, self.k_cache, self.v_cache, md, self.k_scale, self.v_scale)
         want_k, want_v = self.k_cache.clone(), self.v_cache.clone()
 
         # positions per token, then a top-k that always holds the query's own block

@@ -647,6 +647,58 @@ def test_the_gpu_insert_skips_padding_and_slots_past_the_cache(cuda_kernels, lay
     assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at {bad[:5].tolist()}"
 
 
+@pytest.mark.parametrize("kv, h", [("bf16", 1), ("fp8_e4m3fn", 2)])
+def test_later_inserts_of_a_layer_go_through_its_binding(cuda_kernels, kv, h):
+    """SparseAttention.insert_kv: a layer's first call runs every check and binds the launch; its
+    later steps over the builder's stable slot buffers (new slots, keys and values each step, one
+    token padding in the last, a scalar fp8 scale over 2 KV heads changed in place) are served by
+    that binding and write exactly the reference's bytes; other caches rebind; a wrong key dtype
+    or too few key rows are refused by name with a binding in place."""
+    from msa_iree.layout import allocate_kv_cache
+    from msa_iree.runtime import MetadataBuilder, SparseAttention
+
+    dev, dtype = torch.device("cuda"), DTYPES[kv]
+    g = torch.Generator().manual_seed(12 + h)
+    layers = [SparseAttention(8 * h, h, 128, 128 ** -0.5, dtype, kernels=cuda_kernels) for _ in range(2)]
+    blocks, n = 6, 9
+    caches = [allocate_kv_cache(blocks, h, dtype, "interleaved", device=dev, fill=0) for _ in layers]
+    refs = [allocate_kv_cache(blocks, h, dtype, "interleaved", fill=0) for _ in layers]
+    fp8 = dtype != torch.bfloat16
+    scale = (torch.tensor([0.07], device=dev), torch.tensor([0.09], device=dev)) if fp8 else (None, None)
+    builder = MetadataBuilder(n, 1024, num_cache_blocks=blocks, kernels=cuda_kernels, device=dev)
+    bt = torch.zeros(n, 1, dtype=torch.int32, device=dev)
+    seq = torch.full((n,), 100, dtype=torch.int32, device=dev)
+    qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
+    raw = lambda k: k.reshape(-1).view(torch.uint8)
+    cpu_scale = lambda: tuple(None if t is None else t.cpu() for t in scale)
+    bindings = [[] for _ in layers]
+    for step in range(3):
+        slots = torch.randperm(blocks * 128, generator=g)[:n].int()
+        if step == 2:
+            slots[4] = -1
+        if fp8:
+            scale[0].fill_(0.07 + 0.01 * step)
+        md = builder.build(bt, seq, qsl, seq - 1, 1, n, slot_mapping=slots.to(dev))
+        for i, attn in enumerate(layers):
+            key, value = (torch.randn(n, h, 128, generator=g).bfloat16() for _ in range(2))
+            attn.insert_kv(key.to(dev), value.to(dev), *caches[i], md, *scale)
+            bindings[i].append(attn._insert_launch)
+            R.insert_kv(key, value, *refs[i], slots, *cpu_scale())
+            torch.cuda.synchronize()
+            assert torch.equal(raw(caches[i][0]).cpu(), raw(refs[i][0])), (step, i)
+    for b in bindings:  # bound by the first step, the same binding served the next two
+        assert b[0] is not None and b[1] is b[0] and b[2] is b[0]
+    key, value = (torch.randn(n, h, 128, generator=g).bfloat16() for _ in range(2))
+    layers[0].insert_kv(key.to(dev), value.to(dev), *caches[1], md, *scale)  # layer 1's caches: rebinds
+    R.insert_kv(key, value, *refs[1], slots, *cpu_scale())
+    assert layers[0]._insert_launch is not bindings[0][0]
+    assert torch.equal(raw(caches[1][0]).cpu(), raw(refs[1][0]))
+    with pytest.raises(ValueError, match="key"):
+        layers[1].insert_kv(key.float().to(dev), value.float().to(dev), *caches[1], md, *scale)
+    with pytest.raises(ValueError, match="key: expected at least num_actual_tokens=9 rows"):
+        layers[1].insert_kv(key[:3].to(dev), value[:3].to(dev), *caches[1], md, *scale)
+
+
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
 def test_a_decode_step_with_its_inserts_is_captured(cuda_kernels, kv):
     """A decode step as vLLM replays it: the new tokens' K/V inserted, then the attend, captured

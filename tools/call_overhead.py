@@ -1,4 +1,5 @@
 """Where one `SparseAttention.forward` call's wall time goes on a CUDA device (decode, bf16).
+Also the KV insert's host time for the same step (each token's K/V written into the cache).
 
 With a build that saved launch plans, forward launches on torch's stream (msa_iree.launch) and
 the forward rows are its host time, one call's latency (+ sync) and the per-call time of a decode
@@ -20,7 +21,8 @@ import torch
 import torch.utils.dlpack
 
 from msa_iree.bench import DEPENDENT_LAUNCH, _decode_setup, add_dependent_launch_arg, decode_module_operands
-from msa_iree.runtime import KernelLibrary
+from msa_iree.layout import BLOCK_SIZE, num_cache_blocks
+from msa_iree.runtime import KernelLibrary, MetadataBuilder, insert_kv
 
 
 def median_us(fn, iters=200, sync=True):
@@ -34,6 +36,38 @@ def median_us(fn, iters=200, sync=True):
     return statistics.median(times) * 1e6
 
 
+def insert_rows(lib, c, attn, dev, layers):
+    """The KV insert of the step's new tokens (their slots from the block table, range-checked once
+    by the builder given the cache's size): runtime.insert_kv (every check, every call) and the
+    layer's SparseAttention.insert_kv (its later calls bound): host time, and a step's worth back to
+    back + sync."""
+    pos = c.seq_lens.long() - 1                                   # L = 1: each request's last token
+    blocks = c.block_table.long().gather(1, (pos // BLOCK_SIZE)[:, None])[:, 0]
+    slots = (blocks * BLOCK_SIZE + pos % BLOCK_SIZE).int()
+    builder = MetadataBuilder(max_num_seqs=c.batch, max_model_len=c.context, kernels=lib, device=dev,
+                              num_cache_blocks=num_cache_blocks(c.k_cache, c.v_cache))
+    qsl = torch.arange(0, c.batch + 1, dtype=torch.int32, device=dev)
+    md = builder.build(c.block_table, c.seq_lens, qsl, c.seq_lens - 1, decode_query_len=1, num_decodes=c.batch,
+                       slot_mapping=slots)
+    g = torch.Generator(device=dev).manual_seed(3)
+    key = torch.randn(c.batch, 1, 128, generator=g, device=dev).to(torch.bfloat16)
+    value = torch.randn(c.batch, 1, 128, generator=g, device=dev).to(torch.bfloat16)
+    free = lambda: insert_kv(lib, key, value, c.k_cache, c.v_cache, md, c.k_scale, c.v_scale)
+    bound = lambda: attn.insert_kv(key, value, c.k_cache, c.v_cache, md, c.k_scale, c.v_scale)
+    rows = {}
+    for name, ins in (("runtime.insert_kv", free), ("SparseAttention.insert_kv", bound)):
+        ins()
+
+        def step():
+            for _ in range(layers):
+                ins()
+            torch.cuda.synchronize()
+
+        rows[f"{name}, host time"] = median_us(ins)
+        rows[f"{layers} x {name} + sync, per call"] = median_us(step, iters=20) / layers
+    return bound, rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--build-dir", required=True)
@@ -42,7 +76,7 @@ def main():
     p.add_argument("--kv-dtype", default="bf16")
     add_dependent_launch_arg(p)
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="also profile N forward calls (cProfile) and print the 20 costliest functions")
+                   help="also profile N forward (and insert_kv) calls (cProfile): the 20 costliest functions")
     a = p.parse_args()
     dev = torch.device("cuda")
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, dependent_launch=DEPENDENT_LAUNCH[a.dependent_launch])
@@ -85,6 +119,8 @@ def main():
                 fwd()
         rows[f"CUDA graph of {layers} forwards, replay + sync, per call"] = \
             median_us(lambda: (graph.replay(), torch.cuda.synchronize()), iters=20) / layers
+        ins, ins_rows = insert_rows(lib, c, attn, dev, layers)
+        rows.update(ins_rows)
     print(f"decode B={a.batch} heads={a.heads} kv={a.kv_dtype}, dependent launch {lib.dependent_launch}, "
           "host-clock medians:")
     for k, v in rows.items():
@@ -93,12 +129,16 @@ def main():
         import cProfile
         import pstats
 
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(a.profile):
-            fwd()
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        for name, call in (("forward", fwd), ("insert_kv", ins if streamed else None)):
+            if call is None:
+                continue
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(a.profile):
+                call()
+            prof.disable()
+            print(f"-- {name}, {a.profile} calls")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":
