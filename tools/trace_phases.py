@@ -4,6 +4,7 @@ L2 flushed before each call, its per-workgroup stamps turned into phase duration
 
     python3 tools/trace_phases.py --build-dir .devbuild/cuda-main --batch 8,64,128 --kv-dtype bf16,fp8_e4m3fn
     python3 tools/trace_phases.py --build-dir .devbuild/cuda-main --batch 64 --flush dirty
+    python3 tools/trace_phases.py --build-dir .devbuild/cuda-main --batch 64 --context 131072 --rotate --warm-tlb
 
 Per phase: p10 / p50 / p90 / max over the workgroups (us, SM clock converted with the clock rate
 the stamps themselves give against the globaltimer), median over --calls calls. Phases: the page
@@ -11,7 +12,11 @@ ids (top-k row, block-table row), each block's first softmax barrier after the p
 second (the previous PV, this block's K, its QK), the softmax between the two barriers (V in
 flight), the last PV and the l reduction, the partials' stores; start/end: globaltimer against the
 earliest workgroup's start. --flush clean (a 512 MiB read, the harness's kernel_us) or dirty (a
-512 MiB write: the L2 full of dirty lines, kernel_dirty_us).
+512 MiB write: the L2 full of dirty lines, kernel_dirty_us). --rotate: each call over the next
+rotation of the block table (other blocks of the pool, as the bench's graph_us replays them: at
+long contexts a call's blocks then spread over GiBs); --warm-tlb [KiB]: after the flush, one byte
+read from every 2 MiB (or KiB) of the cache pool (address translations warm, practically nothing
+of the K/V in the L2), to see what the first touch of a page costs.
 """
 import argparse
 import statistics
@@ -49,18 +54,23 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def trace_case(lib, device, kv, batch, flush, calls):
-    c, attn, out, _ = bench._decode_setup(lib, device, batch, 4096, 1, 16, kv, 16)
+def trace_case(lib, device, kv, batch, context, flush, calls, rotate=False, warm_tlb=0):
+    c, attn, out, _ = bench._decode_setup(lib, device, batch, context, 1, 16, kv, 16)
     _, args, _ = bench.decode_module_operands(attn, c)
     spec = SparseAttnDecodeMmaTraceSpec(MsaConfig(kv_dtype=kv), 16)
     ws = torch.empty(spec.workspace_floats(batch), dtype=torch.float32, device=device)
-    run = lambda: lib.run(spec, *args, out=[out, ws])
-    run()
+    tables = [bt.contiguous() for bt in c.bt_rot] if rotate else [args[4]]
+    pages = c.k_cache.view(torch.uint8).view(-1)[::max(1, warm_tlb) << 10]  # one byte per warm_tlb KiB of the pool
+    touched = torch.empty((), dtype=torch.int64, device=device)
+    run = lambda i: lib.run(spec, *args[:4], tables[i % len(tables)], *args[5:], out=[out, ws])
+    run(0)
     per_call = []
-    for _ in range(calls):
+    for i in range(calls):
         flush()
+        if warm_tlb:
+            torch.sum(pages, dim=0, dtype=torch.int64, out=touched)
         torch.cuda.synchronize()
-        run()
+        run(i + 1)
         torch.cuda.synchronize()
         per_call.append(phases(spec.stamps(ws, batch).cpu().tolist(), 16 // spec.splits(batch)))
     return spec.splits(batch), per_call
@@ -73,15 +83,21 @@ def main(argv=None):
     p.add_argument("--kv-dtype", default="bf16,fp8_e4m3fn")
     p.add_argument("--flush", choices=("clean", "dirty"), default="clean")
     p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--rotate", action="store_true", help="each call over the next block-table rotation")
+    p.add_argument("--warm-tlb", type=int, nargs="?", const=2048, default=0, metavar="KIB",
+                   help="after the flush, read one byte of every KIB KiB of the pool (default 2048)")
     a = p.parse_args(argv)
     device = torch.device("cuda")
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False)
     flush = bench.l2_flusher(device, dirty=a.flush == "dirty")
     for kv in a.kv_dtype.split(","):
         for batch in (int(b) for b in a.batch.split(",")):
-            splits, per_call = trace_case(lib, device, kv, batch, flush, a.calls)
-            print(f"== {kv}, decode B={batch} L=1 TP4 ctx 4K, {splits} splits, {batch * splits} workgroups, "
-                  f"L2 flushed {a.flush} (us: p10 p50 p90 max over workgroups, median of {a.calls} calls)")
+            splits, per_call = trace_case(lib, device, kv, batch, a.context, flush, a.calls, a.rotate, a.warm_tlb)
+            how = "".join((", tables rotated" if a.rotate else "", f", TLB warmed every {a.warm_tlb} KiB" if a.warm_tlb else ""))
+            print(f"== {kv}, decode B={batch} L=1 TP4 ctx {a.context // 1024}K, {splits} splits, {batch * splits} "
+                  f"workgroups, L2 flushed {a.flush}{how} (us: p10 p50 p90 max over workgroups, median of "
+                  f"{a.calls} calls)")
             for name in per_call[0]:
                 cols = [statistics.median(pct(call[name], q) for call in per_call) for q in (0.1, 0.5, 0.9, 1.0)]
                 print(f"  {name:26s}" + "".join(f"{x:8.2f}" for x in cols))
