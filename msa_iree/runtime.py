@@ -831,7 +831,9 @@ class _InsertLaunch:
     slots the builder range-checked (MsaMetadata.slot_capacity), it serves later calls with the
     same caches and scales and metadata whose token index and slots are the same buffers (the
     builder keeps them at one address from step to step), checking only key and value (shape,
-    dtype, device, contiguous) before it queues the writer; any other call takes the checked path."""
+    dtype, device, contiguous) before it queues the writer; any other call takes the checked path.
+    As _DecodeLaunch: a cache or scale tensor changed by set_ or resize_ keeps its identity and is
+    not seen, and the binding keeps the layer's tensors alive until the next one."""
 
     @classmethod
     def bind(cls, kernels, spec, metadata, layer_tensors, operands, capacity):
