@@ -4,7 +4,8 @@
 At 128K a forward's blocks lie all over a pool of GiBs, at 4K within a 128 MiB slice; the rows'
 block tables are also wider. This tool separates the two: graph_us at 4K as the bench runs it, at
 4K with each forward's blocks drawn from a pool of --pool-gib (4K's tables, 128K's spread), and at
-128K as the bench runs it; each measured --repeats times (sorted).
+128K as the bench runs it; each measured --repeats times (sorted). --cases picks some of them
+(one per process shows what a process's earlier allocations change).
 
     python3 tools/graph_span.py --build-dir .devbuild/cuda-cvt [--batch 64] [--kv-dtype fp8_e4m3fn,bf16]
 """
@@ -32,11 +33,13 @@ def main():
     p.add_argument("--kv-dtype", default="fp8_e4m3fn,bf16")
     p.add_argument("--pool-gib", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cases", default="4k,spread,128k", help="which of the three, in this order, in this process")
     a = p.parse_args()
+    cases = {"4k": (4096, None), "spread": (4096, a.pool_gib << 30), "128k": (131072, None)}
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False)
     dev = torch.device("cuda")
     for kv in a.kv_dtype.split(","):
-        for ctx, pool in ((4096, None), (4096, a.pool_gib << 30), (131072, None)):
+        for ctx, pool in (cases[name] for name in a.cases.split(",")):
             extra = {"pool_bytes": pool} if pool else {}
             c = bench.DecodeCase(a.batch, ctx, 1, 16, DTYPES[kv], dev, 16, seed=a.batch * 31 + 1, **extra)
             blocks = c.k_cache.shape[0] // 16
