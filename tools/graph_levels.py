@@ -3,7 +3,7 @@
 Captures the bench's rotated graph of 57 decode forwards once (fp8 e4m3fn by default) and measures
 it 12 times (median of 20 replays each), a 3 s pause after the sixth, then again after 400
 replays, printing nvidia-smi's SM and memory clocks, power, temperature and throttle reasons
-beside each measurement.
+beside each measurement. --graphs N: N captures of the same calls measured in turn, 4 rounds.
 
     python3 tools/graph_levels.py --build-dir .devbuild/cuda-cvt [--batch 64] [--context 4096]
 """
@@ -44,6 +44,8 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--kv-dtype", default="fp8_e4m3fn")
+    p.add_argument("--graphs", type=int, default=1,
+                   help="capture this many graphs of the same calls and measure them in turn (is the level the capture's?)")
     a = p.parse_args()
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False)
     dev, dtype = torch.device("cuda"), DTYPES[a.kv_dtype]
@@ -56,10 +58,18 @@ def main():
     for call in calls:
         call()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAYERS):
-            calls[i % len(calls)]()
+    graphs = []
+    for _ in range(a.graphs):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(LAYERS):
+                calls[i % len(calls)]()
+        graphs.append(graph)
+    if a.graphs > 1:
+        for r in range(4):
+            print(f"round {r}: " + " ".join(f"{replay_us(g):.2f}" for g in graphs), flush=True)
+        return
+    graph = graphs[0]
     print("idle:", smi(), flush=True)
     for i in range(12):
         print(f"{i:2d} {replay_us(graph):.2f} us a forward | {smi()}", flush=True)
