@@ -28,6 +28,7 @@ Prefill (q = 4096 over a 32K context) reports kernel_us (as for decode; on the h
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -112,6 +113,22 @@ def l2_flusher(device, nbytes=512 << 20, dirty=False):
     buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     total = torch.empty((), dtype=torch.float32, device=device)
     return lambda: torch.sum(buf, dim=0, out=total)
+
+
+class Flushes:
+    """A run's two L2 flushes (l2_flusher's read and write), each 512 MiB buffer made once, on
+    first use; None on a device without an L2 to flush here (the host CPU)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    @functools.cached_property
+    def clean(self):
+        return l2_flusher(self.device) if self.device.type == "cuda" else None
+
+    @functools.cached_property
+    def dirty(self):
+        return l2_flusher(self.device, dirty=True) if self.device.type == "cuda" else None
 
 
 def copy_bandwidth_GBps(device, nbytes=1 << 30):
@@ -199,7 +216,8 @@ def decode_module_operands(attn, c):
     return spec, inputs, torch.empty(spec.workspace_floats(c.q.shape[0]), dtype=torch.float32, device=c.q.device)
 
 
-def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rotations=16, matrix="auto"):
+def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rotations=16, matrix="auto",
+                 flushes=None):
     """Correctness check and the wall-clock numbers of one decode case (no profiler in this pass:
     CUPTI, once attached, slows every later CUDA call of the process)."""
     c, attn, out, fwd = _decode_setup(lib, device, batch, context, L, num_heads, kv_name, rotations, matrix)
@@ -214,8 +232,7 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
            "kernel": attn.decode_spec.kernel if attn.gpu_decode else "portable", "matrix": matrix,
            "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "ref_max_abs": float(ref.abs().max()),
            "kv_MB": c.kv_bytes / 1e6, "forward_us": wall_us(fwd, iters, device)}
-    flush = l2_flusher(device) if device.type == "cuda" else None
-    row["torch_us"] = events_us(eager, iters, device, flush)
+    row["torch_us"] = events_us(eager, iters, device, (flushes or Flushes(device)).clean)
     row["x_torch"] = row["torch_us"] / row["forward_us"]  # replaced by the kernel ratio when kernel time is known
     row["GBps"] = c.kv_bytes / row["forward_us"] / 1e3
     if attn.gpu_decode and device.type == "cuda":
@@ -252,18 +269,20 @@ def graph_us(lib, device, c, attn, out, iters, layers=57):
     return wall_us(graph.replay, iters, device) / layers
 
 
-def add_kernel_time(lib, device, row, rotations=16):
+def add_kernel_time(lib, device, row, rotations=16, flushes=None):
     """Second pass (profiler attached): the device time of one forward's kernels, L2 flushed."""
     c, attn, out, fwd = _decode_setup(lib, device, row["batch"], row["context"], row["L"], row["q_heads"],
                                       row["kv_dtype"], rotations, row["matrix"])
     by_kernel = {}
-    k_us = kernel_us(fwd, device, flush=l2_flusher(device), by_kernel=by_kernel)
+    flushes = flushes or Flushes(device)
+    k_us = kernel_us(fwd, device, flush=flushes.clean, by_kernel=by_kernel)
     row.update(kernel_us=k_us, kernels_us=by_kernel, GBps=c.kv_bytes / k_us / 1e3, x_torch=row["torch_us"] / k_us,
                overhead_us=row["forward_us"] - k_us, forward_over_kernel=row["forward_us"] / k_us,
-               kernel_dirty_us=kernel_us(fwd, device, flush=l2_flusher(device, dirty=True)))
+               kernel_dirty_us=kernel_us(fwd, device, flush=flushes.dirty))
 
 
-def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_heads=16, matrix="auto"):
+def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_heads=16, matrix="auto",
+                  flushes=None):
     """One request computing its last q_len tokens over a context of `context`."""
     kv_dtype = DTYPES[kv_name]
     c = DecodeCase(1, context, q_len, num_heads, kv_dtype, device, 1, seed=5)
@@ -283,13 +302,13 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
     eager()
     err = (out.float() - ref.float()).abs()
     forward_us = wall_us(fwd, iters, device)
-    flush = l2_flusher(device) if device.type == "cuda" else None
-    torch_us = events_us(eager, iters, device, flush)
+    flushes = flushes or Flushes(device)
+    torch_us = events_us(eager, iters, device, flushes.clean)
     by_kernel = {}
     dirty_us = None
     if device.type == "cuda":  # kernel time as for decode (L2 flushed, profiler records)
-        k_us = kernel_us(fwd, device, flush=flush, by_kernel=by_kernel)
-        dirty_us = kernel_us(fwd, device, flush=l2_flusher(device, dirty=True))
+        k_us = kernel_us(fwd, device, flush=flushes.clean, by_kernel=by_kernel)
+        dirty_us = kernel_us(fwd, device, flush=flushes.dirty)
     else:  # the host: one 4096-token call takes seconds, its call overhead is noise
         k_us = forward_us
     return {"phase": "prefill", "batch": 1, "context": context, "L": q_len, "q_heads": num_heads, "kv_dtype": kv_name,
@@ -413,6 +432,7 @@ def main(argv=None):
     device = torch.device("cuda" if a.target in ("cuda", "hip") else "cpu")
     lib = KernelLibrary(a.target, a.build_dir, compile_missing=False, dependent_launch=DEPENDENT_LAUNCH[a.dependent_launch])
     copy = copy_bandwidth_GBps(device) if device.type == "cuda" else float("nan")
+    flushes = Flushes(device)  # the flush buffers, made once for the run
     rows = []
 
     def report(row):  # one JSON line per case, and the JSON file rewritten as the run goes
@@ -434,15 +454,16 @@ def main(argv=None):
                 for L in ints(a.L):
                     for ctx in ints(a.context):
                         for b in ints(a.batch):
-                            rows.append(bench_decode(lib, device, b, ctx, L, hq, kv, a.iters, matrix=matrix))
+                            rows.append(bench_decode(lib, device, b, ctx, L, hq, kv, a.iters, matrix=matrix,
+                                                     flushes=flushes))
                             report(rows[-1])
             if a.prefill:
-                rows.append(bench_prefill(lib, device, kv, max(3, a.iters // 10), matrix=matrix))
+                rows.append(bench_prefill(lib, device, kv, max(3, a.iters // 10), matrix=matrix, flushes=flushes))
                 report(rows[-1])
     if device.type == "cuda":  # kernel times last: the profiler would slow the wall-clock pass
         for row in rows:
             if row["phase"] == "decode" and row.get("call_us") is not None:
-                add_kernel_time(lib, device, row)
+                add_kernel_time(lib, device, row, flushes=flushes)
                 report(row)
     print(format_table(rows, copy))
     if a.plot:
