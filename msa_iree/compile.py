@@ -117,16 +117,17 @@ def _atomic_write(path: pathlib.Path, data: bytes):
         raise
 
 
-def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=None):
+def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=None, key=None):
     """(vmfb bytes, content key, cache_hit) through the shared content-addressed cache.
 
     isa_dir: also dump the executables' target files (gfx942 .rocmasm) there (forces a compile).
+    key: content_key(spec, target, extra_flags), when the caller has it already.
     """
     supported = getattr(spec, "targets", None)
     if supported is not None and target not in supported:
         raise CompileError(f"{spec.name}: expected a target in {list(supported)}, got {target!r} "
                            "(a GPU-level kernel: llvm-cpu cannot lower gpu.thread_id)")
-    key = content_key(spec, target, extra_flags)
+    key = key or content_key(spec, target, extra_flags)
     cached = cache_dir() / target / f"{spec.name}.{key[:16]}.vmfb"
     if cached.exists() and mlir_dir is None and isa_dir is None:
         return cached.read_bytes(), key, True
@@ -147,15 +148,15 @@ def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=No
     return vmfb, key, False
 
 
-def launch_plan(spec, target: str, extra_flags=()):
+def launch_plan(spec, target: str, extra_flags=(), key=None):
     """`main` lowered to HAL, from which msa_iree.launch launches the kernel on torch's stream:
     for the cuda GPU-level kernels that write only into their operands (`spec.written_operands`),
-    else None."""
+    else None. key: as compiled_module's."""
     if not _launchable(spec, target):
         return None
     from .launch import hal_main
 
-    key = content_key(spec, target, extra_flags)
+    key = key or content_key(spec, target, extra_flags)
     cached = cache_dir() / target / f"{spec.name}.{key[:16]}.main-hal.mlir"
     if cached.exists():
         return cached.read_text()
@@ -213,11 +214,11 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1,
                 continue
             isa_dir = out / "isa" / spec.name if target == "gfx942" else None
             vmfb, key, hit = compiled_module(spec, target, extra_flags, mlir_dir=out / "mlir" if emit_mlir else None,
-                                             isa_dir=isa_dir)
+                                             isa_dir=isa_dir, key=key)
             _atomic_write(vmfb_path, vmfb)
             kernels[spec.name] = {"file": vmfb_path.name, "sha256": sha256(vmfb), "content_key": key,
                                   **spec.describe()}
-            plan = launch_plan(spec, target, extra_flags)
+            plan = launch_plan(spec, target, extra_flags, key=key)
             if plan is not None:  # msa_iree.launch: the kernel on torch's stream
                 plan_path = out / f"{spec.name}.main-hal.mlir"
                 _atomic_write(plan_path, plan.encode())
