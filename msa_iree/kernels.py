@@ -778,8 +778,9 @@ class SparseAttnDecodeMfmaSpec(_MatrixCoreSpec):
     targets = ("gfx942",)  # GROUP_SIZES as the FMA variant's; 8 heads: heads 8..15 of N are zero padding
     matrix = "MFMA"
     mfma = True
-    # 4 waves per SIMD asked of the register allocator (<= 128 VGPRs): fp8 takes 124 with it, 128
-    # without (bf16 111 either way); with q in registers it had taken 155 (3 waves) or spilled
+    # 4 waves per SIMD asked of the register allocator (<= 128 VGPRs): fp8 took 124 with it, 128
+    # without (bf16 111 either way; since the hardware conversion e4m3fnuz 121, e4m3fn 128); with q
+    # in registers it had taken 155 (3 waves) or spilled
     waves_per_eu = 4
     # e4m3fnuz K/V converted by gfx942's v_cvt_pk_f32_fp8 (+ v_cvt_pkrtz_f16_f32): 4 instructions per
     # 4 values instead of ~19 integer ops (one a quarter-rate v_mul_lo_u32). With V's tail masked
