@@ -348,6 +348,73 @@ def test_what_no_row_may_see_is_never_read(cuda_kernels, matrix):
     assert (out.float() - ref.float()).abs().max() < 1.7e-2
 
 
+def _lift_to_the_top(c, dtype, nan_code):
+    """Case c's blocks moved to the top of an interleaved GPU cache of more than 2 GiB (block b to
+    a permuted id past 2^31 bytes: page-16 ids past 2^19), every other byte `nan_code` (an fp8 NaN
+    code, or a bf16 NaN's high byte pair): (k view, v view, block table of the big ids, the map)."""
+    from msa_iree.layout import allocate_kv_cache, num_cache_blocks
+
+    dev = torch.device("cuda")
+    small = c.k_cache.view(torch.uint8).reshape(num_cache_blocks(c.k_cache, c.v_cache), -1)
+    nb, block_bytes = small.shape
+    total = (1 << 31) // block_bytes + 2 * nb
+    kc, vc = allocate_kv_cache(total, 1, dtype, "interleaved", device=dev)
+    rows = kc.view(torch.uint8).reshape(total, block_bytes)
+    rows.fill_(nan_code) if dtype != torch.bfloat16 else kc.fill_(float("nan"))
+    top = total - nb + torch.randperm(nb, generator=torch.Generator().manual_seed(nb))  # small id -> big id
+    assert int(top.min()) * block_bytes >= 1 << 31 and int(top.min()) * 16 >= 1 << 16
+    rows[top.to(dev)] = small.to(dev)
+    bt = torch.where(c.block_table >= 0, top[c.block_table.clamp(min=0).long()].int(), c.block_table)
+    return kc, vc, bt, top
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+@pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
+def test_page_ids_past_16_bits_and_byte_offsets_past_2_31(cuda_kernels, matrix, kv):
+    """ANCHORS bug 2 (page ids >= 65,536 and byte offsets >= 2^31 silently truncated: aiter #3062,
+    ATOM #702): the rows' blocks at the top of a cache of more than 2 GiB, everything else NaN;
+    the attend's output is the reference's over the small cache they came from."""
+    dtype = DTYPES[kv]
+    c = testing.decode_case([300, 2049, 5000, 77], seed=41, kv_dtype=dtype)
+    kc, vc, bt, _ = _lift_to_the_top(c, dtype, 0x7F)
+    spec = _decode_spec(matrix, kv)
+    dev = torch.device("cuda")
+    args = [a.to(dev) for a in _module_operands(c, c.seq_lens)]
+    args[1], args[2], args[4] = _flat_pages(kc), _flat_pages(vc), bt.to(dev)
+    out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device=dev)
+    cuda_kernels.run(spec, *args, out=[out, _poisoned_workspace(spec, c.q.shape[0])])
+    ref = torch.empty_like(c.q)
+    R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref,
+                         c.k_scale, c.v_scale)
+    _assert_every_row_written_and_close(out.cpu(), ref, (matrix, kv))
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+def test_the_insert_writes_past_2_31_bytes(cuda_kernels, kv):
+    """ANCHORS bug 2 for the KV insert: slots in blocks past 2^31 bytes of the cache get exactly the
+    reference's bytes (written into the small cache those blocks came from); nothing else changes."""
+    from msa_iree.runtime import insert_kv
+
+    dtype = DTYPES[kv]
+    c = testing.decode_case([300, 2049, 5000, 77], seed=43, kv_dtype=dtype)
+    kc, vc, bt, top = _lift_to_the_top(c, dtype, 0x7F)
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(44)
+    n = 24
+    slots = torch.randperm(int(c.block_table.max() + 1) * 128, generator=g)[:n].int()
+    key, value = ((torch.randn(n, 1, 128, generator=g) * 2).bfloat16() for _ in range(2))
+    big_slots = (top[(slots // 128).long()] * 128 + slots % 128).int()
+    before = kc.view(torch.uint8).reshape(-1).clone()
+    insert_kv(cuda_kernels, key.to(dev), value.to(dev), kc, vc, big_slots.to(dev),
+              *(None if t is None else t.to(dev) for t in (c.k_scale, c.v_scale)))
+    R.insert_kv(key, value, c.k_cache, c.v_cache, slots, c.k_scale, c.v_scale)
+    nb = top.shape[0]
+    rows = kc.view(torch.uint8).reshape(-1, c.k_cache.view(torch.uint8).numel() // nb)
+    want = before.view(rows.shape)
+    want[top.to(dev)] = c.k_cache.view(torch.uint8).reshape(nb, -1).to(dev)
+    assert torch.equal(rows, want)
+
+
 @pytest.mark.parametrize("matrix, seq", [("mma", 40000), ("mma", 150000), ("mfma", 40000), ("mfma", 150000)])
 def test_page_ids_from_block_tables_either_side_of_the_lds_row(cuda_kernels, matrix, seq):
     """The matrix-core attends stage a request's whole block-table row in LDS when the table has at
