@@ -224,6 +224,15 @@ class _Launch:
                                   self.block[2], self.shared, ctypes.c_void_p(stream), self.args, None)
 
 
+def _queue(driver, name, launches, stream: int):
+    """Queue `launches` (their argument blocks written) on `stream`, in order; a failed launch raises."""
+    lib = driver.lib
+    for d in launches:
+        rc = d.launch(lib, stream)
+        if rc:
+            driver.check(rc, f"{name}: launch")
+
+
 class StreamKernel:
     """A cuda module's `main`, launched on a given stream (see the module docstring)."""
 
@@ -268,13 +277,10 @@ class StreamKernel:
         """Queue `main` on `stream` (a CUstream handle) over contiguous CUDA tensors in `main`'s
         operand order; the plan for their shapes and dtypes is worked out once and reused."""
         launches = self._dispatches(tensors)
-        lib = self.driver.lib
         for d in launches:
             for slot, (k, offset) in zip(d.pointers, d.bindings):
                 slot.value = tensors[k].data_ptr() + offset
-            rc = d.launch(lib, stream)
-            if rc:
-                self.driver.check(rc, f"{self.name}: launch")
+        _queue(self.driver, self.name, launches, stream)
 
     def bind(self, tensors, variable):
         """`main` over these operands, of which those at the indices `variable` may move between
@@ -305,8 +311,4 @@ class BoundLaunch:
         the order of `variable`)."""
         for slot, i, offset in self._moving:
             slot.value = addresses[i] + offset
-        lib = self._driver.lib
-        for d in self._launches:
-            rc = d.launch(lib, stream)
-            if rc:
-                self._driver.check(rc, f"{self.name}: launch")
+        _queue(self._driver, self.name, self._launches, stream)

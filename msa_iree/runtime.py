@@ -121,15 +121,16 @@ class KernelLibrary:
         self.manifest = self._read_manifest() if self.build_dir else {"kernels": {}}
         self._functions = {}
         self._entries = {}
-        self._unit_scales = {}  # device -> [1, 1] f32 ones (insert_kv's scale operand for 16-bit caches)
+        self._unit_scales = {}  # device -> [>= 64, 1] f32 ones (insert_kv's scale operand for 16-bit caches)
 
     def unit_scale(self, num_kv_heads: int, device) -> torch.Tensor:
-        """[H, 1] f32 ones on `device`, the scale operand of a 16-bit cache: made once per device,
-        so that a KV insert allocates nothing (and queues no fill kernel) per call."""
+        """[H, 1] f32 ones on `device`, the scale operand of a 16-bit cache: rows of one buffer made
+        once per device (64 rows, more if asked), contiguous, so that a KV insert allocates and
+        copies nothing (and queues no kernel) for it per call."""
         ones = self._unit_scales.get(device)
-        if ones is None:
-            ones = self._unit_scales[device] = torch.ones(1, 1, device=device)
-        return ones.expand(num_kv_heads, 1)
+        if ones is None or ones.shape[0] < num_kv_heads:
+            ones = self._unit_scales[device] = torch.ones(max(64, num_kv_heads), 1, device=device)
+        return ones[:num_kv_heads]
 
     @property
     def config(self):
@@ -570,8 +571,7 @@ class SparseAttention:
             # launched on torch's stream: the tensors themselves; a strided one (a scalar scale
             # expanded over 2+ KV heads) through a contiguous copy refreshed on every call, so
             # that a scale changed in place is seen, as IREE's call (which copies it) sees it
-            views = tuple(t.contiguous() for t in operands)
-            refresh = tuple((v, t) for v, t in zip(views, operands) if v is not t)
+            views, refresh = _contiguous_copies(operands)
         else:
             # only a zero-copy view can be reused (it reads the tensor's current bytes); anything
             # IREE would copy (host driver, a strided scale) is imported again on every call
@@ -710,14 +710,41 @@ class SparseAttention:
     __call__ = forward
 
 
-class _DecodeLaunch:
+class _LayerBinding:
+    """What a layer's bound launches share (_DecodeLaunch, _InsertLaunch): the layer tensors a
+    binding was made for, served only while the same objects at the same addresses come back (one
+    changed by set_ or resize_ keeps its identity and is not seen; the binding keeps them alive
+    until the next one), and the contiguous copies of strided operands refreshed before a launch."""
+
+    def _hold(self, layer_tensors, refresh):
+        """layer_tensors: (k_cache, v_cache, k_scale, v_scale); refresh: (copy, strided) pairs."""
+        self.layer_tensors, self.refresh = layer_tensors, refresh
+        self.cache_addresses = tuple(t.data_ptr() for t in layer_tensors[:2])
+
+    def _same_layer(self, k_cache, v_cache, k_scale, v_scale) -> bool:
+        k, v, ks, vs = self.layer_tensors
+        return (k_cache is k and v_cache is v and k_scale is ks and v_scale is vs
+                and (k_cache.data_ptr(), v_cache.data_ptr()) == self.cache_addresses)
+
+    def _refresh(self):
+        for copy, strided in self.refresh:
+            copy.copy_(strided)
+
+
+def _contiguous_copies(tensors):
+    """(the tensors, each strided one replaced by a contiguous copy; the (copy, strided) pairs to
+    refresh before each launch, so that a strided operand changed in place is seen)."""
+    copies = tuple(t.contiguous() for t in tensors)
+    return copies, tuple((c, t) for c, t in zip(copies, tensors) if c is not t)
+
+
+class _DecodeLaunch(_LayerBinding):
     """A layer's decode-only step bound to its stream launch (FlashInfer's plan/run split): made by
     a forward that ran every check, it serves the later calls that pass the same metadata, caches
     and scales, checking only what may change per call (the query, output and top-k tensors: the
     shapes, dtypes and device bound, contiguous) before it launches; any other call takes the
-    checked path (and binds anew). A cache or scale tensor changed in place by set_ or resize_
-    keeps its identity and is not seen. It keeps the step's metadata and the layer's tensors alive
-    until the next binding."""
+    checked path (and binds anew). It keeps the step's metadata alive until the next binding (and,
+    as every _LayerBinding, the layer's tensors)."""
 
     @classmethod
     def bind(cls, kernels, spec, metadata, layer, layer_tensors, call_tensors, args, workspace):
@@ -730,8 +757,8 @@ class _DecodeLaunch:
         if sk is None or not all(t.is_contiguous() for t in (*call_tensors, args[0], args[3])):
             return None
         self = cls()
-        self.metadata, self.layer_tensors, self.refresh = metadata, layer_tensors, layer.refresh
-        self.cache_addresses = tuple(t.data_ptr() for t in layer_tensors[:2])
+        self.metadata = metadata
+        self._hold(layer_tensors, layer.refresh)
         self.q_shape, self.q_dtype, self.topk_shape = query.shape, query.dtype, topk.shape
         self.device_index = query.get_device()
         out_rows = _rows(output, 0, args[0].shape[0])
@@ -740,9 +767,7 @@ class _DecodeLaunch:
 
     def __call__(self, metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale) -> bool:
         """Queue the attend if this call is one the binding serves (True); else False, nothing done."""
-        k, v, ks, vs = self.layer_tensors
-        if (metadata is not self.metadata or k_cache is not k or v_cache is not v or k_scale is not ks
-                or v_scale is not vs or (k_cache.data_ptr(), v_cache.data_ptr()) != self.cache_addresses):
+        if metadata is not self.metadata or not self._same_layer(k_cache, v_cache, k_scale, v_scale):
             return False
         q_shape, q_dtype, index = self.q_shape, self.q_dtype, self.device_index
         if (query.shape != q_shape or output.shape != q_shape or topk.shape != self.topk_shape
@@ -750,8 +775,7 @@ class _DecodeLaunch:
                 or query.get_device() != index or output.get_device() != index or topk.get_device() != index
                 or not (query.is_contiguous() and output.is_contiguous() and topk.is_contiguous())):
             return False
-        for copy, strided in self.refresh:
-            copy.copy_(strided)
+        self._refresh()
         self.launch(_current_raw_stream(index), query.data_ptr(), topk.data_ptr(), output.data_ptr())
         return True
 
@@ -826,14 +850,12 @@ def _run_insert(kernels, spec, operands):
     raw.copy_(updated)  # host CPU: the portable module returns the updated buffer
 
 
-class _InsertLaunch:
+class _InsertLaunch(_LayerBinding):
     """A layer's KV insert bound to its stream launch: made after a fully checked insert whose
     slots the builder range-checked (MsaMetadata.slot_capacity), it serves later calls with the
     same caches and scales and metadata whose token index and slots are the same buffers (the
     builder keeps them at one address from step to step), checking only key and value (shape,
-    dtype, device, contiguous) before it queues the writer; any other call takes the checked path.
-    As _DecodeLaunch: a cache or scale tensor changed by set_ or resize_ keeps its identity and is
-    not seen, and the binding keeps the layer's tensors alive until the next one."""
+    dtype, device, contiguous) before it queues the writer; any other call takes the checked path."""
 
     @classmethod
     def bind(cls, kernels, spec, metadata, layer_tensors, operands, capacity):
@@ -845,24 +867,19 @@ class _InsertLaunch:
                 or not all(t.is_contiguous() for t in (key, value, token_index, slots))):
             return None
         self = cls()
-        self.layer_tensors = layer_tensors
-        self.cache_addresses = tuple(t.data_ptr() for t in layer_tensors[:2])
         self.capacity = capacity
         self.step_buffers = tuple((t.data_ptr(), t.shape) for t in (token_index, slots))
         self.key_shape, self.key_dtype, self.device_index = key.shape, key.dtype, key.get_device()
         # a strided scale (one scale over 2+ KV heads) through a contiguous copy refreshed per call
-        tensors = [t.contiguous() for t in operands]
-        self.refresh = tuple((c, t) for c, t in zip(tensors[5:], operands[5:]) if c is not t)
-        self.launch = sk.bind(tensors, variable=(1, 2))
+        tensors, refresh = _contiguous_copies(operands)
+        self._hold(layer_tensors, refresh)
+        self.launch = sk.bind(list(tensors), variable=(1, 2))
         return self
 
     def __call__(self, metadata, key, value, k_cache, v_cache, k_scale, v_scale) -> bool:
         """Queue the insert if this call is one the binding serves (True); else False, nothing done."""
-        k, v, ks, vs = self.layer_tensors
-        if (k_cache is not k or v_cache is not v or k_scale is not ks or v_scale is not vs
-                or (k_cache.data_ptr(), v_cache.data_ptr()) != self.cache_addresses
-                or not isinstance(metadata, MsaMetadata) or metadata.slot_capacity is None
-                or metadata.slot_capacity > self.capacity):
+        if (not self._same_layer(k_cache, v_cache, k_scale, v_scale) or not isinstance(metadata, MsaMetadata)
+                or metadata.slot_capacity is None or metadata.slot_capacity > self.capacity):
             return False
         ti, sl = metadata.insert_token_index, metadata.insert_slots
         if ((ti.data_ptr(), ti.shape), (sl.data_ptr(), sl.shape)) != self.step_buffers:
@@ -872,8 +889,7 @@ class _InsertLaunch:
                 or key.get_device() != index or value.get_device() != index
                 or not (key.is_contiguous() and value.is_contiguous())):
             return False
-        for copy, strided in self.refresh:
-            copy.copy_(strided)
+        self._refresh()
         self.launch(_current_raw_stream(index), key.data_ptr(), value.data_ptr())
         return True
 
