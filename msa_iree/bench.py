@@ -172,6 +172,10 @@ class DecodeCase:
                                    .reshape(batch, blocks_per_req).int() for r in range(rotations)])
         self.block_table = self.bt_rot[0].contiguous()
         self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        # [batch] logical slots of each request's last token (what an L = 1 step inserts)
+        last = self.seq_lens.long() - 1
+        owner = self.block_table.long().gather(1, (last // BLOCK_SIZE)[:, None])[:, 0]
+        self.last_token_slots = (owner * BLOCK_SIZE + last % BLOCK_SIZE).int()
         tokens = batch * L
         pos = (self.seq_lens.long().repeat_interleave(L) - L + torch.arange(L, device=device).repeat(batch))
         own = pos // BLOCK_SIZE
@@ -257,21 +261,32 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
 
 
 def graph_us(lib, device, c, attn, out, iters, layers=57):
-    """Per forward of a decode step replayed from a CUDA graph, as vLLM runs decode: `layers`
-    forwards (launched on torch's stream, so captured), each over the next rotation of the block
-    table (other blocks, as each layer's own cache would be), captured once; median wall time of a
-    replay + sync, divided by `layers`."""
+    """Per forward of a decode step replayed from a CUDA graph, as vLLM runs decode (capture_step
+    over decode_step_calls): median wall time of a replay + sync, divided by `layers`."""
+    graph = capture_step(decode_step_calls(lib, device, c, attn, out), layers)
+    return wall_us(graph.replay, iters, device) / layers
+
+
+def decode_step_calls(lib, device, c, attn, out):
+    """One forward per rotation of the block table (other blocks, as each layer's own cache would
+    be), over step metadata built for each, each called once (outside any capture: each step's
+    tensors, the launch plan, the workspace)."""
     steps = _decode_metadata(lib, device, c, [bt.contiguous() for bt in c.bt_rot])
     calls = [lambda md=md: attn.forward(c.q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale)
              for md in steps]
-    for call in calls:  # outside the capture: each step's tensors, the launch plan, the workspace
+    for call in calls:
         call()
     torch.cuda.synchronize()
+    return calls
+
+
+def capture_step(calls, layers=57):
+    """A CUDA graph of `layers` of `calls` in turn (launched on torch's stream, so captured)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(layers):
             calls[i % len(calls)]()
-    return wall_us(graph.replay, iters, device) / layers
+    return graph
 
 
 def add_kernel_time(lib, device, row, rotations=16, flushes=None):

@@ -779,8 +779,7 @@ def test_a_decode_step_with_its_inserts_is_captured(cuda_kernels, kv):
     dev = torch.device("cuda")
     c, attn, _, _ = _decode_setup(cuda_kernels, dev, 8, 4096, 1, 16, kv, rotations=1)
     builder = MetadataBuilder(8, 4096, num_cache_blocks=c.k_cache.shape[0] // 16, kernels=cuda_kernels, device=dev)
-    pos = c.seq_lens.long() - 1  # each request's new token
-    slots = (c.block_table.long().gather(1, (pos // 128)[:, None])[:, 0] * 128 + pos % 128).int()
+    slots = c.last_token_slots  # each request's new token
     qsl = torch.arange(9, dtype=torch.int32, device=dev)
     build = lambda sm: builder.build(c.block_table, c.seq_lens, qsl, c.seq_lens - 1, 1, 8, slot_mapping=sm)
     md = build(slots)

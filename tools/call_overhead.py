@@ -20,8 +20,9 @@ import time
 import torch
 import torch.utils.dlpack
 
-from msa_iree.bench import DEPENDENT_LAUNCH, _decode_setup, add_dependent_launch_arg, decode_module_operands
-from msa_iree.layout import BLOCK_SIZE, num_cache_blocks
+from msa_iree.bench import (DEPENDENT_LAUNCH, _decode_setup, add_dependent_launch_arg, capture_step,
+                            decode_module_operands)
+from msa_iree.layout import num_cache_blocks
 from msa_iree.runtime import KernelLibrary, MetadataBuilder, insert_kv
 
 
@@ -41,14 +42,11 @@ def insert_rows(lib, c, attn, dev, layers):
     by the builder given the cache's size): runtime.insert_kv (every check, every call) and the
     layer's SparseAttention.insert_kv (its later calls bound): host time, and a step's worth back to
     back + sync."""
-    pos = c.seq_lens.long() - 1                                   # L = 1: each request's last token
-    blocks = c.block_table.long().gather(1, (pos // BLOCK_SIZE)[:, None])[:, 0]
-    slots = (blocks * BLOCK_SIZE + pos % BLOCK_SIZE).int()
     builder = MetadataBuilder(max_num_seqs=c.batch, max_model_len=c.context, kernels=lib, device=dev,
                               num_cache_blocks=num_cache_blocks(c.k_cache, c.v_cache))
     qsl = torch.arange(0, c.batch + 1, dtype=torch.int32, device=dev)
     md = builder.build(c.block_table, c.seq_lens, qsl, c.seq_lens - 1, decode_query_len=1, num_decodes=c.batch,
-                       slot_mapping=slots)
+                       slot_mapping=c.last_token_slots)
     g = torch.Generator(device=dev).manual_seed(3)
     key = torch.randn(c.batch, 1, 128, generator=g, device=dev).to(torch.bfloat16)
     value = torch.randn(c.batch, 1, 128, generator=g, device=dev).to(torch.bfloat16)
@@ -113,10 +111,7 @@ def main():
                      "forward on the stream + sync (latency)": median_us(lambda: (fwd(), torch.cuda.synchronize())),
                      f"{layers} forwards back to back + sync, per call": median_us(step, iters=20) / layers})
         # how vLLM runs decode: the step captured once in a CUDA graph, then replayed
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(layers):
-                fwd()
+        graph = capture_step([fwd], layers)
         rows[f"CUDA graph of {layers} forwards, replay + sync, per call"] = \
             median_us(lambda: (graph.replay(), torch.cuda.synchronize()), iters=20) / layers
         ins, ins_rows = insert_rows(lib, c, attn, dev, layers)
