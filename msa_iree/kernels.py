@@ -593,6 +593,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     emulate_mfma = False  # ... each MFMA computed through LDS instead, so that CUDA can run and test it
     waves_per_eu = None  # waves per SIMD asked of the gfx942 register allocator (mfma variant only)
     early_v = False  # V loaded right after QK, before the softmax (mma variant, without async_kv)
+    q_first = False  # fp8: q's fragments loaded at the kernel's entry, before the page ids (mma variant)
     merge_rows_splits = 0  # up to this many splits @merge takes a workgroup per row (mma, mfma variants)
     merge_row_parts = 1  # ... at exactly merge_rows_splits splits this many, G / merge_row_parts heads each
     # the request's block-table row staged in LDS, requested with the top-k row, when the table has
@@ -638,6 +639,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
                                MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm, HW_FP8=self.uses_hw_fp8,
                                ASYNC_KV=self.mma and self.async_kv, MFMA=self.mfma, EMULATE=self.emulate_mfma,
                                WAVES_PER_EU=self.waves_per_eu, EARLY_V=self.mma and self.early_v,
+                               Q_FIRST=self.mma and c.is_fp8 and self.q_first,
                                MERGE_ROWS_SPLITS=self.merge_rows_splits if (self.mma or self.mfma) else 0,
                                BT_PRELOAD=self.bt_preload, TRACE=self.mma and self.trace, MRP=self.merge_row_parts)
 
@@ -645,7 +647,9 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
         return {**super().describe(), "mma": self.mma, "min_ctas_per_sm": self.min_ctas_per_sm,
                 "hw_fp8": self.uses_hw_fp8, "async_kv": self.mma and self.async_kv, "mfma": self.mfma,
                 "emulate_mfma": self.emulate_mfma, "waves_per_eu": self.waves_per_eu,
-                "early_v": self.mma and self.early_v, "merge_rows_splits": self.merge_rows_splits,
+                "early_v": self.mma and self.early_v,
+                "q_first": self.mma and self.cfg.is_fp8 and self.q_first,
+                "merge_rows_splits": self.merge_rows_splits,
                 "bt_preload": self.bt_preload, "trace": self.mma and self.trace,
                 "merge_row_parts": self.merge_row_parts}
 
@@ -719,6 +723,15 @@ class SparseAttnDecodeMmaSpec(_MatrixCoreSpec):
     # loads are in flight during the softmax (127 registers, no spills). Measured on the H200
     # (tools/PERF.md): prefill bf16 552 -> 532 us, L=4 B=128 113.4 -> 111.8 us, L=1 unchanged
     early_v = True
+    # fp8: q's fragments requested at the kernel's entry, in flight during the page-id fetch. The
+    # first block's QK needs them converted to f16; requested after the page ids, next to that
+    # block's K, they came back behind it (ptxas puts the K copies first). H200 (tools/PERF.md, A/B in one run): TP4 L=1 B=64 14.85 -> 14.45 us,
+    # B=8 7.5 -> 7.1, B=128 23.2 -> 22.5, prefill 535 -> 526; for bf16 (raw q, no conversion) the
+    # same move was slower (B=64 20.8 -> 21.6 us)
+    @property
+    def q_first(self) -> bool:
+        return self.cfg.is_fp8
+
     # @merge with 4 splits (33-64 rows): two workgroups a row (8 heads, 4 dims a thread). H200
     # (tools/PERF.md, clean cold L2, TP4 B=64): merge 1.87 -> 1.60-1.65 us bf16, 1.97 -> 1.76 fp8;
     # with 2 splits it was slower (B=128 1.63 -> 1.74), so fewer splits keep one workgroup a row

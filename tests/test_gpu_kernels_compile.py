@@ -183,13 +183,17 @@ def test_mma_split_ptx_keeps_its_fast_paths(tmp_path, kv):
     mma.sync (QK 16 + PV 16, PV twice: tail block masked, full blocks not); for e4m3fn the sm_89
     build with the hardware conversion and the cp.async staging of K/V. PV's probability
     fragments come back from LDS 16 bytes a lane (an extra LDS allocation once moved them off
-    16-byte alignment: 4-byte loads, 1.1-1.3x slower on the H200)."""
+    16-byte alignment: 4-byte loads, 1.1-1.3x slower on the H200). For fp8, q's fragments are
+    requested before the page-id fetch's barrier, next to the top-k row (SparseAttnDecodeMmaSpec.q_first)."""
     spec = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv), 16)
     ptx, split = _split_ptx(tmp_path, spec)
     assert split.count("ld.shared.v4.b32") >= 16  # 8 fragments a block, masked and unmasked PV
     assert split.count("ex2.approx") >= 10  # 8 probabilities + 2 rescales a block
     assert "0fBF318000" not in split
     assert split.count("mma.sync") == 48
+    # 16-byte global loads before the first barrier: the top-k row's 4, for fp8 also q's 8
+    before_page_ids = split[:split.index("bar.sync")]
+    assert before_page_ids.count("ld.global.nc.v4.b32") == (4 if kv == "bf16" else 12)
     if kv == "bf16":
         assert ".target sm_80" in ptx and "cp.async" not in split
     else:
