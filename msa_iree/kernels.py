@@ -593,7 +593,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     emulate_mfma = False  # ... each MFMA computed through LDS instead, so that CUDA can run and test it
     waves_per_eu = None  # waves per SIMD asked of the gfx942 register allocator (mfma variant only)
     early_v = False  # V loaded right after QK, before the softmax (mma variant, without async_kv)
-    q_first = False  # fp8: q's fragments loaded at the kernel's entry, before the page ids (mma variant)
+    q_first = False  # fp8: q's fragments requested with the page-id fetch, not after it (mma, with bt_preload)
     merge_rows_splits = 0  # up to this many splits @merge takes a workgroup per row (mma, mfma variants)
     merge_row_parts = 1  # ... at exactly merge_rows_splits splits this many, G / merge_row_parts heads each
     # the request's block-table row staged in LDS, requested with the top-k row, when the table has
@@ -639,7 +639,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
                                MMA=self.mma, MIN_CTAS=self.min_ctas_per_sm, HW_FP8=self.uses_hw_fp8,
                                ASYNC_KV=self.mma and self.async_kv, MFMA=self.mfma, EMULATE=self.emulate_mfma,
                                WAVES_PER_EU=self.waves_per_eu, EARLY_V=self.mma and self.early_v,
-                               Q_FIRST=self.mma and c.is_fp8 and self.q_first,
+                               Q_FIRST=self.uses_q_first,
                                MERGE_ROWS_SPLITS=self.merge_rows_splits if (self.mma or self.mfma) else 0,
                                BT_PRELOAD=self.bt_preload, TRACE=self.mma and self.trace, MRP=self.merge_row_parts)
 
@@ -648,7 +648,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
                 "hw_fp8": self.uses_hw_fp8, "async_kv": self.mma and self.async_kv, "mfma": self.mfma,
                 "emulate_mfma": self.emulate_mfma, "waves_per_eu": self.waves_per_eu,
                 "early_v": self.mma and self.early_v,
-                "q_first": self.mma and self.cfg.is_fp8 and self.q_first,
+                "q_first": self.uses_q_first,
                 "merge_rows_splits": self.merge_rows_splits,
                 "bt_preload": self.bt_preload, "trace": self.mma and self.trace,
                 "merge_row_parts": self.merge_row_parts}
@@ -657,6 +657,11 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     def uses_hw_fp8(self) -> bool:
         native = "fp8_e4m3fn" if self.mma else "fp8_e4m3fnuz" if self.mfma else None
         return self.hw_fp8 and self.cfg.kv_dtype == native
+
+    @property
+    def uses_q_first(self) -> bool:
+        # q's early loads sit between the staged block-table row's loads and stores
+        return self.mma and self.cfg.is_fp8 and self.q_first and self.bt_preload > 0
 
     @property
     def cuda_arch(self):
@@ -723,11 +728,12 @@ class SparseAttnDecodeMmaSpec(_MatrixCoreSpec):
     # loads are in flight during the softmax (127 registers, no spills). Measured on the H200
     # (tools/PERF.md): prefill bf16 552 -> 532 us, L=4 B=128 113.4 -> 111.8 us, L=1 unchanged
     early_v = True
-    # fp8: q's fragments requested at the kernel's entry, in flight during the page-id fetch. The
-    # first block's QK needs them converted to f16; requested after the page ids, next to that
-    # block's K, they came back behind it (ptxas puts the K copies first). H200 (tools/PERF.md, A/B in one run): TP4 L=1 B=64 14.85 -> 14.45 us,
-    # B=8 7.5 -> 7.1, B=128 23.2 -> 22.5, prefill 535 -> 526; for bf16 (raw q, no conversion) the
-    # same move was slower (B=64 20.8 -> 21.6 us)
+    # fp8: q's fragments requested during the page-id fetch (after the block-table row's loads, before
+    # the barrier). The first block's QK needs them converted to f16; requested after the page ids,
+    # next to that block's K, they came back behind it (ptxas puts the K copies first). H200
+    # (tools/PERF.md, A/B runs): TP4 L=1 B=64 14.85 -> 14.1-14.2 us, B=8 7.5 -> 7.1, B=128 23.2 ->
+    # 22.0-22.4, prefill 535 -> 524; for bf16 (raw q, no conversion) q at the kernel's entry was
+    # slower (B=64 20.8 -> 21.6 us), so fp8 only
     @property
     def q_first(self) -> bool:
         return self.cfg.is_fp8
