@@ -593,7 +593,9 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     emulate_mfma = False  # ... each MFMA computed through LDS instead, so that CUDA can run and test it
     waves_per_eu = None  # waves per SIMD asked of the gfx942 register allocator (mfma variant only)
     early_v = False  # V loaded right after QK, before the softmax (mma variant, without async_kv)
-    q_first = False  # fp8: q's fragments requested with the page-id fetch, not after it (mma, with bt_preload)
+    # q requested during the page-id fetch, not after it (with bt_preload; mma: fp8's fragments,
+    # mfma: q's staging in LDS)
+    q_first = False
     merge_rows_splits = 0  # up to this many splits @merge takes a workgroup per row (mma, mfma variants)
     merge_row_parts = 1  # ... at exactly merge_rows_splits splits this many, G / merge_row_parts heads each
     # the request's block-table row staged in LDS, requested with the top-k row, when the table has
@@ -661,7 +663,7 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
     @property
     def uses_q_first(self) -> bool:
         # q's early loads sit between the staged block-table row's loads and stores
-        return self.mma and self.cfg.is_fp8 and self.q_first and self.bt_preload > 0
+        return self.q_first and self.bt_preload > 0 and (self.mfma or (self.mma and self.cfg.is_fp8))
 
     @property
     def cuda_arch(self):
@@ -733,10 +735,8 @@ class SparseAttnDecodeMmaSpec(_MatrixCoreSpec):
     # next to that block's K, they came back behind it (ptxas puts the K copies first). H200
     # (tools/PERF.md, A/B runs): TP4 L=1 B=64 14.85 -> 14.1-14.2 us, B=8 7.5 -> 7.1, B=128 23.2 ->
     # 22.0-22.4, prefill 535 -> 524; for bf16 (raw q, no conversion) q at the kernel's entry was
-    # slower (B=64 20.8 -> 21.6 us), so fp8 only
-    @property
-    def q_first(self) -> bool:
-        return self.cfg.is_fp8
+    # slower (B=64 20.8 -> 21.6 us), so fp8 only (uses_q_first)
+    q_first = True
 
     # @merge with 4 splits (33-64 rows): two workgroups a row (8 heads, 4 dims a thread). H200
     # (tools/PERF.md, clean cold L2, TP4 B=64): merge 1.87 -> 1.60-1.65 us bf16, 1.97 -> 1.76 fp8;
@@ -810,6 +810,10 @@ class SparseAttnDecodeMfmaSpec(_MatrixCoreSpec):
     # 1 KiB of LDS keeps 4 workgroups (16 waves) a CU; on the H200 the CUDA mma attend's 1024 took
     # TP4 bf16 L=1 from 9.1 to 8.2 us at B=8, 27.5 to 26.7 at B=64; gfx942's gain is unmeasured
     bt_preload = 256
+    # q's staging in LDS requested during the page-id fetch: after the page ids (its own barrier)
+    # it put a memory round trip between them and the first block's K (gfx942 ISA, tools/PERF.md).
+    # The CUDA mma attend's fp8 twin of this move gained 0.6-0.7 us at B=64; here unmeasured
+    q_first = True
 
 
 class SparseAttnPrefillMfmaSpec(SparseAttnDecodeMfmaSpec):
