@@ -9,6 +9,7 @@ beside each measurement. --graphs N: N captures of the same calls measured in tu
     python3 tools/graph_levels.py --build-dir .devbuild/cuda-cvt [--batch 64] [--context 4096]
 """
 import argparse
+import statistics
 import subprocess
 import time
 
@@ -32,6 +33,30 @@ def replay_us(graph, device):
     return bench.wall_us(graph.replay, 20, device) / LAYERS
 
 
+def timings(graph, device, iree_call=None):
+    """One graph three ways, a forward's share: wall time of a replay + sync (the bench's graph_us),
+    CUDA events around a replay (device time only), and 10 replays back to back + one sync (the
+    host's launch and wake-up amortised); with `iree_call`, again after one synchronous IREE call."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def events():
+        times = []
+        for _ in range(20):
+            start.record(); graph.replay(); end.record(); torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times) / LAYERS
+
+    def batched():
+        return bench.wall_us(lambda: [graph.replay() for _ in range(10)], 5, device) / (10 * LAYERS)
+
+    rows = [("wall", lambda: replay_us(graph, device)), ("events", events), ("10 back to back", batched)]
+    for when in ("", " after an IREE call") if iree_call else ("",):
+        if when:
+            iree_call()
+        for name, fn in rows:
+            print(f"{name + when:32s} " + " ".join(f"{fn():.2f}" for _ in range(5)), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build-dir", required=True)
@@ -40,6 +65,9 @@ def main():
     p.add_argument("--kv-dtype", default="fp8_e4m3fn")
     p.add_argument("--graphs", type=int, default=1,
                    help="capture this many graphs of the same calls and measure them in turn (is the level the capture's?)")
+    p.add_argument("--timings", action="store_true",
+                   help="one graph timed three ways (wall + sync, CUDA events, 10 replays + one sync), "
+                        "then again after a synchronous IREE call: is the level the device's or the host's?")
     a = p.parse_args()
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False)
     dev, dtype = torch.device("cuda"), DTYPES[a.kv_dtype]
@@ -48,6 +76,10 @@ def main():
     out = torch.full_like(c.q, float("nan"))
     calls = bench.decode_step_calls(lib, dev, c, attn, out)
     graphs = [bench.capture_step(calls, LAYERS) for _ in range(a.graphs)]
+    if a.timings:
+        spec, args, ws = bench.decode_module_operands(attn, c)
+        timings(graphs[0], dev, lambda: lib.run(spec, *args, out=[out, ws]))
+        return
     if a.graphs > 1:
         for r in range(4):
             print(f"round {r}: " + " ".join(f"{replay_us(g, dev):.2f}" for g in graphs), flush=True)
