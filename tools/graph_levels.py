@@ -68,9 +68,18 @@ def main():
     p.add_argument("--timings", action="store_true",
                    help="one graph timed three ways (wall + sync, CUDA events, 10 replays + one sync), "
                         "then again after a synchronous IREE call: is the level the device's or the host's?")
+    p.add_argument("--preallocate", type=float, default=0, metavar="GIB",
+                   help="first allocate, write and free this many GiB in 1 GiB tensors (kept by torch's "
+                        "caching allocator, as a bench run's earlier cases leave them): does the level follow?")
+    p.add_argument("--empty-cache", action="store_true", help="... then return them to the driver")
     a = p.parse_args()
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False)
     dev, dtype = torch.device("cuda"), DTYPES[a.kv_dtype]
+    if a.preallocate:
+        held = [torch.ones(2 ** 28, device=dev) for _ in range(int(a.preallocate))]
+        held.clear()  # freed into torch's cache, not to the driver
+        if a.empty_cache:
+            torch.cuda.empty_cache()
     c = bench.DecodeCase(a.batch, a.context, 1, 16, dtype, dev, 16, seed=a.batch * 31 + 1)
     attn = SparseAttention(16, 1, 128, 128 ** -0.5, dtype, kernels=lib)
     out = torch.full_like(c.q, float("nan"))
