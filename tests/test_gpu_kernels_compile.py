@@ -75,7 +75,9 @@ def test_gfx942_mfma_isa(tmp_path):
     a block), no scratch, >= 4 waves per SIMD counting registers and LDS, every K/V load 16 bytes
     (bf16/f16: 8 K + 8 V a block, plus q's one copy into LDS; fp8: 4 K + 4 V, V traded between
     lane pairs), no 8-byte loads. e4m3fnuz (gfx942's fp8) converts in hardware: 2 v_cvt_pk_f32_fp8
-    per K/V word (16 K + 16 V words a block); e4m3fn decodes by integer ops."""
+    per K/V word (16 K + 16 V words a block); e4m3fn decodes by integer ops. q's copy into LDS is
+    requested with the page-id loads, before the first barrier (SparseAttnDecodeMfmaSpec.q_first:
+    after it, its wait put a memory round trip before the first block's K loads)."""
     C.build(None, ["gfx942"], tmp_path, specs=MFMA, log=lambda m: None)
     report = {r["kernel"]: r for r in kernel_report(tmp_path)}
     for spec in MFMA:
@@ -88,6 +90,9 @@ def test_gfx942_mfma_isa(tmp_path):
         assert split["global_load_x4"] >= (4 + 4 + 1 if spec.cfg.is_fp8 else 17), split
         assert split["global_load_x2"] == 0, split
         assert split["cvt_fp8"] == (64 if spec.cfg.kv_dtype == "fp8_e4m3fnuz" else 0), split
+        asm = "".join(f.read_text() for f in (tmp_path / "isa" / spec.name).glob("*.rocmasm"))
+        split_asm = asm[asm.index("\nsplit:"):]
+        assert "global_load_dwordx4" in split_asm[:split_asm.index("s_barrier")], spec.name
 
 
 def test_waves_per_simd_counts_lds():
