@@ -121,12 +121,12 @@ class KernelLibrary:
         self.manifest = self._read_manifest() if self.build_dir else {"kernels": {}}
         self._functions = {}
         self._entries = {}
-        self._unit_scales = {}  # device -> [>= 64, 1] f32 ones (insert_kv's scale operand for 16-bit caches)
+        self._unit_scales = {}  # device -> [>= 64, 1] f32 ones (the scale operand of 16-bit caches)
 
     def unit_scale(self, num_kv_heads: int, device) -> torch.Tensor:
-        """[H, 1] f32 ones on `device`, the scale operand of a 16-bit cache: rows of one buffer made
-        once per device (64 rows, more if asked), contiguous, so that a KV insert allocates and
-        copies nothing (and queues no kernel) for it per call."""
+        """[H, 1] f32 ones on `device`, the scale operand of a 16-bit cache (the attend's and the KV
+        insert's): rows of one buffer made once per device (64 rows, more if asked), contiguous, so
+        that a call allocates and copies nothing (and queues no kernel) for it."""
         ones = self._unit_scales.get(device)
         if ones is None or ones.shape[0] < num_kv_heads:
             ones = self._unit_scales[device] = torch.ones(max(64, num_kv_heads), 1, device=device)
@@ -516,7 +516,6 @@ class SparseAttention:
         self.kernels = kernels or KernelLibrary(target, build_dir)
         self.scale = scale
         self.scale_tensor = torch.tensor([scale], dtype=torch.float32)
-        self._unit_scale = torch.ones(num_kv_heads, 1)
         self._layer_key = None
         self._workspace = None  # (torch f32 tensor, its IREE view): the GPU attend's split partials
         self._decode_launch = None  # _DecodeLaunch: the last decode-only step's bound attend (stream launch)
@@ -545,7 +544,7 @@ class SparseAttention:
     def _on(self, device):
         """The constant operands on `device` (moved once, then reused by every call)."""
         if self.scale_tensor.device != device:
-            self.scale_tensor, self._unit_scale = self.scale_tensor.to(device), self._unit_scale.to(device)
+            self.scale_tensor = self.scale_tensor.to(device)
 
     def _layer_state(self, k_cache, v_cache, k_scale, v_scale):
         """What depends only on the layer's cache and scale tensors, worked out once and reused
@@ -564,7 +563,7 @@ class SparseAttention:
         checks.check_scale("v_scale", v_scale, self.kv_dtype, cfg.num_kv_heads, capacity)
         self._on(k_cache.device)
         kp, vp = self._folded(k_cache), self._folded(v_cache)
-        ks, vs = self._scales(k_scale, v_scale)
+        ks, vs = self._scales(k_scale, v_scale, k_cache.device)
         operands = (kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), self.scale_tensor, ks, vs)
         refresh = ()
         if self.kernels.stream_launch:
@@ -607,9 +606,9 @@ class SparseAttention:
             self._workspace = (ws, self.kernels.to_iree(ws) if zero_copy else ws)
         return self._workspace[1]
 
-    def _scales(self, k_scale, v_scale):
+    def _scales(self, k_scale, v_scale, device):
         h = self.cfg.num_kv_heads
-        return tuple(self._unit_scale if s is None else module_scale(s, h) for s in (k_scale, v_scale))
+        return tuple(self.kernels.unit_scale(h, device) if s is None else module_scale(s, h) for s in (k_scale, v_scale))
 
     def _check(self, query, k_cache, output, topk):
         """The per-call checks (the cache and scale checks run in _layer_state, once per tensor)."""
