@@ -199,6 +199,13 @@ def test_mma_split_ptx_keeps_its_fast_paths(tmp_path, kv):
     # 16-byte global loads before the first barrier: the top-k row's 4, for fp8 also q's 8
     before_page_ids = split[:split.index("bar.sync")]
     assert before_page_ids.count("ld.global.nc.v4.b32") == (4 if kv == "bf16" else 12)
+    # the page ids (between the first two barriers) take no register that both an LDS and a
+    # global load write: ptxas waited for such a merged value on the global load's scoreboard,
+    # which q's loads share (fp8 B=8 7.05 -> 6.70 us, B=64 14.15 -> 13.8 once gone, tools/PERF.md)
+    page_ids = split.split("bar.sync")[1]
+    written = lambda op: set(re.findall(op + r"[.\w]*\s+(%r\d+),", page_ids))
+    assert written("ld.global") and written("ld.shared")
+    assert not written("ld.global") & written("ld.shared")
     if kv == "bf16":
         assert ".target sm_80" in ptx and "cp.async" not in split
     else:
