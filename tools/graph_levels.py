@@ -7,6 +7,7 @@ replays, printing nvidia-smi's SM and memory clocks, power, temperature and thro
 beside each measurement. --graphs N: N captures of the same calls measured in turn, 4 rounds.
 
     python3 tools/graph_levels.py --build-dir .devbuild/cuda-cvt [--batch 64] [--context 4096]
+    python3 tools/graph_levels.py --build-dir .devbuild/cuda-cvt --graphs 2 --preallocate 24 --dependent-launch off
 """
 import argparse
 import statistics
@@ -72,8 +73,9 @@ def main():
                    help="first allocate, write and free this many GiB in 1 GiB tensors (kept by torch's "
                         "caching allocator, as a bench run's earlier cases leave them): does the level follow?")
     p.add_argument("--empty-cache", action="store_true", help="... then return them to the driver")
+    bench.add_dependent_launch_arg(p)
     a = p.parse_args()
-    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False)
+    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, dependent_launch=bench.DEPENDENT_LAUNCH[a.dependent_launch])
     dev, dtype = torch.device("cuda"), DTYPES[a.kv_dtype]
     if a.preallocate:
         held = [torch.ones(2 ** 28, device=dev) for _ in range(int(a.preallocate))]
