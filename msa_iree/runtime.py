@@ -669,8 +669,7 @@ class SparseAttention:
                                           min(k_cache.shape[0], v_cache.shape[0]) * h)
         kp, vp = layer.kp, layer.vp
         common = (self.scale_tensor, layer.ks, layer.vs)
-        for copy, strided in layer.refresh:
-            copy.copy_(strided)
+        _refresh_copies(layer.refresh)
         for lo, hi, phase in ((0, nd, metadata.decode), (nd, n, metadata.prefill)):
             if hi == lo:
                 continue
@@ -726,8 +725,7 @@ class _LayerBinding:
                 and (k_cache.data_ptr(), v_cache.data_ptr()) == self.cache_addresses)
 
     def _refresh(self):
-        for copy, strided in self.refresh:
-            copy.copy_(strided)
+        _refresh_copies(self.refresh)
 
 
 def _contiguous_copies(tensors):
@@ -735,6 +733,12 @@ def _contiguous_copies(tensors):
     refresh before each launch, so that a strided operand changed in place is seen)."""
     copies = tuple(t.contiguous() for t in tensors)
     return copies, tuple((c, t) for c, t in zip(copies, tensors) if c is not t)
+
+
+def _refresh_copies(refresh):
+    """Copy each strided operand into its contiguous copy (_contiguous_copies' pairs)."""
+    for copy, strided in refresh:
+        copy.copy_(strided)
 
 
 class _DecodeLaunch(_LayerBinding):
