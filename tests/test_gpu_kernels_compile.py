@@ -171,11 +171,12 @@ def test_the_attend_call_allocates_nothing(spec):
         assert op not in main, op
 
 
-def _split_ptx(tmp_path, spec):
-    """The PTX text of the spec's @split kernel (from its `.entry split` to the next entry)."""
+def _split_ptx(tmp_path, spec, entry="split"):
+    """The PTX text of the spec's module and of its @split (or `entry`) kernel, from its `.entry`
+    to the next entry."""
     C.compiled_module(spec, "cuda", isa_dir=tmp_path)
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
-    start = ptx.index(".entry split")
+    start = ptx.index(f".entry {entry}(")
     end = ptx.find(".entry", start + 1)
     return ptx, ptx[start:end if end > 0 else None]
 
@@ -212,3 +213,19 @@ def test_mma_split_ptx_keeps_its_fast_paths(tmp_path, kv):
         assert ".target sm_89" in ptx
         assert split.count("cvt.rn.f16x2.e4m3x2") == 96  # 2 per word: K 16 words, V 16 words twice
         assert split.count("cp.async.ca.shared.global") == 3 * 4 + 4  # K at 3 places, 4 copies; V 4
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+def test_mma_merge_ptx_weighs_splits_with_single_instructions(tmp_path, kv):
+    """The CUDA @merge's split weights exp(m - max) are one ex2.approx each and 1 / l one
+    rcp.approx: math.exp became IREE's polynomial (its ln 2 high part 0xBF318000) and the f32
+    division div.rn.f32 a slow-path branch, @merge 1.74 -> 1.64 us at fp8 B=64 and 2.34 -> 1.98
+    at B=8 on the H200 (tools/PERF.md)."""
+    _, merge = _split_ptx(tmp_path, K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv), 16), "merge")
+    # a weight per split in each of @merge's forms: a row (2 and 4 splits; 4 in two parts), a
+    # head pair (8, 16 splits), and the one-split case LLVM may fold
+    assert merge.count("ex2.approx") >= 2 + 4 + 4 + 8 + 16
+    assert "0fBF318000" not in merge
+    assert "div.rn.f32" not in merge and "div.full" not in merge
+    assert merge.count("rcp.approx") == 3  # one per form's normalisation
+
