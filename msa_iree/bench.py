@@ -117,6 +117,15 @@ def l2_flusher(device, nbytes=512 << 20, dirty=False):
     return lambda: torch.sum(buf, dim=0, out=total)
 
 
+def write_and_free(device, gib: int):
+    """Write `gib` GiB in 1 GiB tensors and free them into torch's caching allocator (as a bench
+    run's earlier cases leave their pools): the DRAM traffic after which the rotated graph runs
+    slower for ~50-100 ms (tools/PERF.md; tools/graph_levels.py, tools/trace_phases.py)."""
+    held = [torch.ones(2 ** 28, device=device) for _ in range(gib)]
+    torch.cuda.synchronize(device)
+    held.clear()
+
+
 class Flushes:
     """A run's two L2 flushes (l2_flusher's read and write), each 512 MiB buffer made once, on
     first use; None on a device without an L2 to flush here (the host CPU)."""

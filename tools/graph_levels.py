@@ -78,8 +78,7 @@ def main():
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, dependent_launch=bench.DEPENDENT_LAUNCH[a.dependent_launch])
     dev, dtype = torch.device("cuda"), DTYPES[a.kv_dtype]
     if a.preallocate:
-        held = [torch.ones(2 ** 28, device=dev) for _ in range(int(a.preallocate))]
-        held.clear()  # freed into torch's cache, not to the driver
+        bench.write_and_free(dev, int(a.preallocate))  # freed into torch's cache, not to the driver
         if a.empty_cache:
             torch.cuda.empty_cache()
     c = bench.DecodeCase(a.batch, a.context, 1, 16, dtype, dev, 16, seed=a.batch * 31 + 1)

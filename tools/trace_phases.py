@@ -123,9 +123,7 @@ def after_writes(lib, device, kv, batch, context, gib, seconds, window=0.02):
                 print(f"  {w * window * 1e3:6.0f} {cols[0]:7.3f}" + "".join(f"{x:8.2f}" for x in cols[1:]) + f"  ({len(sel)} calls)")
 
     show("idle before", series(0.05))
-    held = [torch.ones(2 ** 28, device=device) for _ in range(int(gib))]  # 1 GiB each, written
-    torch.cuda.synchronize()
-    held.clear()
+    bench.write_and_free(device, int(gib))
     show(f"right after {int(gib)} GiB written", series(seconds))
 
 
