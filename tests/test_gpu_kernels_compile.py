@@ -171,7 +171,7 @@ def test_the_attend_call_allocates_nothing(spec):
         assert op not in main, op
 
 
-def _split_ptx(tmp_path, spec, entry="split"):
+def _entry_ptx(tmp_path, spec, entry="split"):
     """The PTX text of the spec's module and of its @split (or `entry`) kernel, from its `.entry`
     to the next entry."""
     C.compiled_module(spec, "cuda", isa_dir=tmp_path)
@@ -192,7 +192,7 @@ def test_mma_split_ptx_keeps_its_fast_paths(tmp_path, kv):
     16-byte alignment: 4-byte loads, 1.1-1.3x slower on the H200). For fp8, q's fragments are
     requested before the page-id fetch's barrier, next to the top-k row (SparseAttnDecodeMmaSpec.q_first)."""
     spec = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv), 16)
-    ptx, split = _split_ptx(tmp_path, spec)
+    ptx, split = _entry_ptx(tmp_path, spec)
     assert split.count("ld.shared.v4.b32") >= 16  # 8 fragments a block, masked and unmasked PV
     assert split.count("ex2.approx") >= 10  # 8 probabilities + 2 rescales a block
     assert "0fBF318000" not in split
@@ -219,13 +219,12 @@ def test_mma_split_ptx_keeps_its_fast_paths(tmp_path, kv):
 def test_mma_merge_ptx_weighs_splits_with_single_instructions(tmp_path, kv):
     """The CUDA @merge's split weights exp(m - max) are one ex2.approx each and 1 / l one
     rcp.approx: math.exp became IREE's polynomial (its ln 2 high part 0xBF318000) and the f32
-    division div.rn.f32 a slow-path branch, @merge 1.74 -> 1.64 us at fp8 B=64 and 2.34 -> 1.98
+    division div.rn.f32 a slow-path branch, @merge 1.73 -> 1.63 us at fp8 B=64 and 2.34 -> 1.98
     at B=8 on the H200 (tools/PERF.md)."""
-    _, merge = _split_ptx(tmp_path, K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv), 16), "merge")
+    _, merge = _entry_ptx(tmp_path, K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv), 16), "merge")
     # a weight per split in each of @merge's forms: a row (2 and 4 splits; 4 in two parts), a
     # head pair (8, 16 splits), and the one-split case LLVM may fold
     assert merge.count("ex2.approx") >= 2 + 4 + 4 + 8 + 16
     assert "0fBF318000" not in merge
     assert "div.rn.f32" not in merge and "div.full" not in merge
     assert merge.count("rcp.approx") == 3  # one per form's normalisation
-
