@@ -269,10 +269,10 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
     return row
 
 
-def graph_us(lib, device, c, attn, out, iters, layers=57):
+def graph_us(lib, device, c, attn, out, iters, layers=57, pool=None):
     """Per forward of a decode step replayed from a CUDA graph, as vLLM runs decode (capture_step
     over decode_step_calls): median wall time of a replay + sync, divided by `layers`."""
-    graph = capture_step(decode_step_calls(lib, device, c, attn, out), layers)
+    graph = capture_step(decode_step_calls(lib, device, c, attn, out), layers, pool)
     return wall_us(graph.replay, iters, device) / layers
 
 
@@ -289,10 +289,11 @@ def decode_step_calls(lib, device, c, attn, out):
     return calls
 
 
-def capture_step(calls, layers=57):
-    """A CUDA graph of `layers` of `calls` in turn (launched on torch's stream, so captured)."""
+def capture_step(calls, layers=57, pool=None):
+    """A CUDA graph of `layers` of `calls` in turn (launched on torch's stream, so captured);
+    `pool`: a graph memory pool to capture into (torch.cuda.graph_pool_handle()), else its own."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         for i in range(layers):
             calls[i % len(calls)]()
     return graph

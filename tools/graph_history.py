@@ -1,0 +1,80 @@
+"""Is the rotated graph's lower level a process's first case?
+
+In `msa-iree bench`'s full runs fp8 B=64 measures ~0.8-1 us a forward slower in the rotated
+graph than in a process of its own (tools/PERF.md, twelfth session). This builds the bench's case
+(fp8 e4m3fn by default, B=64, TP4, L=1) and measures its graph (three captures, each the median of
+20 replays) as the process's first case, then the same case built again, after other cases (the
+bench's bf16 decode cases through `bench.bench_decode`), after `torch.cuda.empty_cache()` and after
+an idle pause. --shared-pool captures every graph into one memory pool
+(`torch.cuda.graph_pool_handle()`) instead of a pool per graph: does the level follow the pools?
+--carve GIB allocates GIB at the process's start and carves every case's KV cache out of its
+first bytes, as a serving engine carves its layers' caches out of one allocation made once: does
+the level follow the cache's memory?
+
+    python3 tools/graph_history.py --build-dir .devbuild/cuda-st12 [--context 131072] [--shared-pool] [--carve 8]
+"""
+import argparse
+import time
+
+import torch
+
+from msa_iree import bench
+from msa_iree import layout
+from msa_iree.config import DTYPES
+from msa_iree.runtime import KernelLibrary, SparseAttention
+
+
+def carve_caches(storage):
+    """bench.allocate_kv_cache's stand-in: the cache's raw buffer from `storage`'s first bytes."""
+    def allocate(num_blocks, num_kv_heads, dtype, layout_name="interleaved", device=None, fill=None):
+        rows = num_blocks * layout.PAGES_PER_BLOCK * layout.SIDES_PER_BLOCK
+        cols = num_kv_heads * layout.PAGE_SIZE * layout.HEAD_DIM
+        nbytes = rows * cols * dtype.itemsize
+        if nbytes > storage.numel():
+            raise ValueError(f"--carve: the case's cache needs {nbytes >> 20} MiB, the storage holds {storage.numel() >> 20}")
+        raw = storage[:nbytes].view(dtype).view(rows, cols)
+        return layout._views(raw, num_blocks, num_kv_heads, layout_name)  # the layout's own views
+    return allocate
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--build-dir", required=True)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--kv-dtype", default="fp8_e4m3fn")
+    p.add_argument("--shared-pool", action="store_true", help="every capture into one graph memory pool")
+    p.add_argument("--carve", type=int, default=0, metavar="GIB",
+                   help="every case's KV cache carved out of one allocation of GIB made first")
+    a = p.parse_args()
+    if a.carve:
+        bench.allocate_kv_cache = carve_caches(torch.empty(a.carve << 30, dtype=torch.uint8, device="cuda"))
+    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False)
+    dev, dtype = torch.device("cuda"), DTYPES[a.kv_dtype]
+    flushes = bench.Flushes(dev)
+    pool = torch.cuda.graph_pool_handle() if a.shared_pool else None
+
+    def level(when):
+        c = bench.DecodeCase(a.batch, a.context, 1, 16, dtype, dev, 16, seed=a.batch * 31 + 1)
+        attn = SparseAttention(16, 1, 128, 128 ** -0.5, dtype, kernels=lib)
+        out = torch.full_like(c.q, float("nan"))
+        us = sorted(bench.graph_us(lib, dev, c, attn, out, 20, pool=pool) for _ in range(3))
+        print(f"{when:38s} graph us " + " ".join(f"{u:.2f}" for u in us)
+              + f"  (torch holds {torch.cuda.memory_reserved() / 2 ** 30:.1f} GiB)", flush=True)
+
+    print(f"{a.kv_dtype} B={a.batch} TP4 L=1 ctx {a.context // 1024}K, rotated graph, a forward's share"
+          + (", one graph pool" if a.shared_pool else "") + (f", caches carved from {a.carve} GiB" if a.carve else ""))
+    level("first case of the process")
+    level("the same case built again")
+    for ctx in (4096, 131072):
+        for b in (8, 32, 64, 128):
+            bench.bench_decode(lib, dev, b, ctx, 1, 16, "bf16", 20, flushes=flushes)
+    level("after 8 bf16 cases (bench_decode)")
+    torch.cuda.empty_cache()
+    level("after torch.cuda.empty_cache()")
+    time.sleep(2)
+    level("after 2 s idle")
+
+
+if __name__ == "__main__":
+    main()
