@@ -272,8 +272,12 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
 def graph_us(lib, device, c, attn, out, iters, layers=57, pool=None):
     """Per forward of a decode step replayed from a CUDA graph, as vLLM runs decode (capture_step
     over decode_step_calls): median wall time of a replay + sync, divided by `layers`."""
-    graph = capture_step(decode_step_calls(lib, device, c, attn, out), layers, pool)
-    return wall_us(graph.replay, iters, device) / layers
+    calls = decode_step_calls(lib, device, c, attn, out)  # their step metadata, which the graph reads
+    graph = capture_step(calls, layers, pool)
+    us = wall_us(graph.replay, iters, device) / layers
+    del graph, calls  # the steps' metadata lives through the replays (until the twelfth session 15 of
+    # the 16 steps' were freed, their memory not reused, before the replays)
+    return us
 
 
 def decode_step_calls(lib, device, c, attn, out):
@@ -291,7 +295,9 @@ def decode_step_calls(lib, device, c, attn, out):
 
 def capture_step(calls, layers=57, pool=None):
     """A CUDA graph of `layers` of `calls` in turn (launched on torch's stream, so captured);
-    `pool`: a graph memory pool to capture into (torch.cuda.graph_pool_handle()), else its own."""
+    `pool`: a graph memory pool to capture into (torch.cuda.graph_pool_handle()), else its own.
+    The graph reads the calls' tensors (query, caches, step metadata) at their addresses: keep
+    them alive while it is replayed."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         for i in range(layers):

@@ -9,7 +9,10 @@ an idle pause. --shared-pool captures every graph into one memory pool
 (`torch.cuda.graph_pool_handle()`) instead of a pool per graph: does the level follow the pools?
 --carve GIB allocates GIB at the process's start and carves every case's KV cache out of its
 first bytes, as a serving engine carves its layers' caches out of one allocation made once: does
-the level follow the cache's memory?
+the level follow the cache's memory? --keep keeps every case's tensors and graphs alive, so that
+a later case's small tensors (query, output, top-k, step metadata, workspace) take fresh memory
+instead of the earlier case's freed blocks and no graph is destroyed before the last: does the
+level follow their reuse, or the graphs' destruction?
 
     python3 tools/graph_history.py --build-dir .devbuild/cuda-st12 [--context 131072] [--shared-pool] [--carve 8]
 """
@@ -22,6 +25,9 @@ from msa_iree import bench
 from msa_iree import layout
 from msa_iree.config import DTYPES
 from msa_iree.runtime import KernelLibrary, SparseAttention
+
+
+LAYERS = 57
 
 
 def carve_caches(storage):
@@ -44,6 +50,7 @@ def main():
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--kv-dtype", default="fp8_e4m3fn")
     p.add_argument("--shared-pool", action="store_true", help="every capture into one graph memory pool")
+    p.add_argument("--keep", action="store_true", help="keep every case's tensors alive (no memory reused)")
     p.add_argument("--carve", type=int, default=0, metavar="GIB",
                    help="every case's KV cache carved out of one allocation of GIB made first")
     a = p.parse_args()
@@ -53,17 +60,25 @@ def main():
     dev, dtype = torch.device("cuda"), DTYPES[a.kv_dtype]
     flushes = bench.Flushes(dev)
     pool = torch.cuda.graph_pool_handle() if a.shared_pool else None
+    kept = []
 
     def level(when):
         c = bench.DecodeCase(a.batch, a.context, 1, 16, dtype, dev, 16, seed=a.batch * 31 + 1)
         attn = SparseAttention(16, 1, 128, 128 ** -0.5, dtype, kernels=lib)
         out = torch.full_like(c.q, float("nan"))
-        us = sorted(bench.graph_us(lib, dev, c, attn, out, 20, pool=pool) for _ in range(3))
+        graphs = []  # (graph, its calls: the step metadata it reads)
+        for _ in range(3):  # as bench.graph_us: each capture over new step metadata
+            calls = bench.decode_step_calls(lib, dev, c, attn, out)
+            graphs.append((bench.capture_step(calls, LAYERS, pool), calls))
+        us = sorted(bench.wall_us(g.replay, 20, dev) / LAYERS for g, _ in graphs)
+        if a.keep:
+            kept.append((c, attn, out, graphs))
         print(f"{when:38s} graph us " + " ".join(f"{u:.2f}" for u in us)
               + f"  (torch holds {torch.cuda.memory_reserved() / 2 ** 30:.1f} GiB)", flush=True)
 
     print(f"{a.kv_dtype} B={a.batch} TP4 L=1 ctx {a.context // 1024}K, rotated graph, a forward's share"
-          + (", one graph pool" if a.shared_pool else "") + (f", caches carved from {a.carve} GiB" if a.carve else ""))
+          + (", one graph pool" if a.shared_pool else "") + (f", caches carved from {a.carve} GiB" if a.carve else "")
+          + (", every case kept alive" if a.keep else ""))
     level("first case of the process")
     level("the same case built again")
     for ctx in (4096, 131072):
