@@ -119,8 +119,9 @@ def l2_flusher(device, nbytes=512 << 20, dirty=False):
 
 def write_and_free(device, gib: int):
     """Write `gib` GiB in 1 GiB tensors and free them into torch's caching allocator (as a bench
-    run's earlier cases leave their pools): the DRAM traffic after which the rotated graph runs
-    slower for ~50-100 ms (tools/PERF.md; tools/graph_levels.py, tools/trace_phases.py)."""
+    run's earlier cases leave their pools): the DRAM traffic after which the tenth session saw the
+    rotated graph slower for ~50-100 ms (tools/PERF.md; tools/graph_levels.py, tools/trace_phases.py;
+    the twelfth traced that gap to a process's first case against later ones)."""
     held = [torch.ones(2 ** 28, device=device) for _ in range(gib)]
     torch.cuda.synchronize(device)
     held.clear()
@@ -272,12 +273,9 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
 def graph_us(lib, device, c, attn, out, iters, layers=57, pool=None):
     """Per forward of a decode step replayed from a CUDA graph, as vLLM runs decode (capture_step
     over decode_step_calls): median wall time of a replay + sync, divided by `layers`."""
-    calls = decode_step_calls(lib, device, c, attn, out)  # their step metadata, which the graph reads
+    calls = decode_step_calls(lib, device, c, attn, out)  # held: the graph reads their step metadata
     graph = capture_step(calls, layers, pool)
-    us = wall_us(graph.replay, iters, device) / layers
-    del graph, calls  # the steps' metadata lives through the replays (until the twelfth session 15 of
-    # the 16 steps' were freed, their memory not reused, before the replays)
-    return us
+    return wall_us(graph.replay, iters, device) / layers
 
 
 def decode_step_calls(lib, device, c, attn, out):

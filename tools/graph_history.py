@@ -23,8 +23,7 @@ import torch
 
 from msa_iree import bench
 from msa_iree import layout
-from msa_iree.config import DTYPES
-from msa_iree.runtime import KernelLibrary, SparseAttention
+from msa_iree.runtime import KernelLibrary
 
 
 LAYERS = 57
@@ -57,15 +56,13 @@ def main():
     if a.carve:
         bench.allocate_kv_cache = carve_caches(torch.empty(a.carve << 30, dtype=torch.uint8, device="cuda"))
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False)
-    dev, dtype = torch.device("cuda"), DTYPES[a.kv_dtype]
+    dev = torch.device("cuda")
     flushes = bench.Flushes(dev)
     pool = torch.cuda.graph_pool_handle() if a.shared_pool else None
     kept = []
 
     def level(when):
-        c = bench.DecodeCase(a.batch, a.context, 1, 16, dtype, dev, 16, seed=a.batch * 31 + 1)
-        attn = SparseAttention(16, 1, 128, 128 ** -0.5, dtype, kernels=lib)
-        out = torch.full_like(c.q, float("nan"))
+        c, attn, out, _ = bench._decode_setup(lib, dev, a.batch, a.context, 1, 16, a.kv_dtype, 16)
         graphs = []  # (graph, its calls: the step metadata it reads)
         for _ in range(3):  # as bench.graph_us: each capture over new step metadata
             calls = bench.decode_step_calls(lib, dev, c, attn, out)

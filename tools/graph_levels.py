@@ -17,8 +17,7 @@ import time
 import torch
 
 from msa_iree import bench
-from msa_iree.config import DTYPES
-from msa_iree.runtime import KernelLibrary, SparseAttention
+from msa_iree.runtime import KernelLibrary
 
 LAYERS = 57
 
@@ -76,14 +75,12 @@ def main():
     bench.add_dependent_launch_arg(p)
     a = p.parse_args()
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, dependent_launch=bench.DEPENDENT_LAUNCH[a.dependent_launch])
-    dev, dtype = torch.device("cuda"), DTYPES[a.kv_dtype]
+    dev = torch.device("cuda")
     if a.preallocate:
         bench.write_and_free(dev, int(a.preallocate))  # freed into torch's cache, not to the driver
         if a.empty_cache:
             torch.cuda.empty_cache()
-    c = bench.DecodeCase(a.batch, a.context, 1, 16, dtype, dev, 16, seed=a.batch * 31 + 1)
-    attn = SparseAttention(16, 1, 128, 128 ** -0.5, dtype, kernels=lib)
-    out = torch.full_like(c.q, float("nan"))
+    c, attn, out, _ = bench._decode_setup(lib, dev, a.batch, a.context, 1, 16, a.kv_dtype, 16)
     calls = bench.decode_step_calls(lib, dev, c, attn, out)
     graphs = [bench.capture_step(calls, LAYERS) for _ in range(a.graphs)]
     if a.timings:
