@@ -146,6 +146,16 @@ def ptx_entries(ptx: str) -> dict:
     return out
 
 
+def entries_using_shared(ptx: str) -> set:
+    """The PTX's entry points whose body touches shared memory (a `.shared` access or the address
+    of IREE's `__dynamic_shared_memory__`). IREE gives every kernel of a module the module's
+    largest workgroup memory; one that touches none is launched with none here, so that it does
+    not hold shared memory it never uses (on an SM beside the kernel before it, under PDL)."""
+    starts = [(m.start(), m[1]) for m in re.finditer(r"\.visible \.entry (\w+)\(", ptx)]
+    bodies = [(name, ptx[at:end]) for (at, name), (end, _) in zip(starts, starts[1:] + [(len(ptx), None)])]
+    return {name for name, body in bodies if ".shared" in body or "__dynamic_shared_memory__" in body}
+
+
 def shared_bytes(vmfb: bytes, block) -> int:
     """Dynamic shared memory IREE launches the module's kernels of `block` threads with: the u32
     after their block dims in its executable (the largest such, so never too little)."""
@@ -248,7 +258,8 @@ class StreamKernel:
         if dependent_launch:
             ptx = with_dependent_launch(ptx.decode()).encode()
         self.module, self.functions = self.driver.load(ptx, self.entries)
-        self.shared = {n: shared_bytes(vmfb, e[0]) for n, e in self.entries.items()}
+        uses_shared = entries_using_shared(ptx.decode())
+        self.shared = {n: shared_bytes(vmfb, e[0]) if n in uses_shared else 0 for n, e in self.entries.items()}
         self.plan = DispatchPlan(plan_text)
         self._launches = {}
 

@@ -12,7 +12,8 @@ import torch
 from msa_iree import compile as C
 from msa_iree import kernels as K
 from msa_iree.config import MsaConfig
-from msa_iree.launch import DispatchPlan, StreamKernel, ptx_entries, ptx_of, shared_bytes, with_dependent_launch
+from msa_iree.launch import (DispatchPlan, StreamKernel, entries_using_shared, ptx_entries, ptx_of, shared_bytes,
+                             with_dependent_launch)
 
 MMA = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16)                      # 16 heads, 1 KV head
 FMA = K.SparseAttnDecodeGpuSpec(MsaConfig(num_heads=16, num_kv_heads=2), 8)          # 8 heads, 2 KV heads
@@ -81,6 +82,21 @@ def test_plans_pass_what_the_ptx_takes(build):
     # (MMA.bt_preload i32)
     vmfb = (out / kernels[MMA.name]["file"]).read_bytes()
     assert shared_bytes(vmfb, (256, 1, 1)) == 16 * 8 * 4 + 8 * 32 * 4 * 4 + 16 * 8 + 16 * 4 + MMA.bt_preload * 4
+
+
+def test_only_kernels_that_touch_shared_memory_get_it(build):
+    """IREE sizes one dynamic shared memory for all of a module's kernels; the launcher gives it only to
+    those whose PTX touches it: through a .shared access or a generic pointer made from IREE's symbol."""
+    ptx = "\n".join([
+        ".extern .shared .align 16 .b8 __dynamic_shared_memory__[];",
+        ".visible .entry a(\n.param .u64 a_0\n)\n.maxntid 256, 1, 1\n{\n\tld.shared.u32 %r1, [%rd1];\n\tret;\n}",
+        ".visible .entry b(\n.param .u64 b_0\n)\n.maxntid 256, 1, 1\n{\n\tmov.u64 %rd1, __dynamic_shared_memory__;"
+        "\n\tld.u32 %r1, [%rd1];\n\tret;\n}",
+        ".visible .entry c(\n.param .u64 c_0\n)\n.maxntid 256, 1, 1\n{\n\tld.global.u32 %r1, [%rd1];\n\tret;\n}"])
+    assert entries_using_shared(ptx) == {"a", "b"}
+    out, kernels = build
+    for spec, expected in ((MMA, {"split"}), (FMA, {"split"}), (INSERT, set())):
+        assert entries_using_shared(ptx_of((out / kernels[spec.name]["file"]).read_bytes()).decode()) == expected, spec.name
 
 
 def test_plans_refuse_what_iree_refuses(build):
