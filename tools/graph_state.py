@@ -1,0 +1,96 @@
+"""Which work, run outside a CUDA graph, changes how fast the graph replays?
+
+tools/graph_history.py found a decode step's graph replaying ~0.7 us a forward faster as a
+process's first case than later (fp8 B=64, 13.4 vs 14.1-14.4 us). This captures the bench's case
+(fp8 e4m3fn B=64 TP4 L=1 by default) as one rotated step graph of 57 forwards, times its replays
+(wall time of a replay + sync, as the bench, and CUDA events: device time only), then runs each
+action of --actions in turn, outside the graph, and times the same graph's replays again. With
+--profile, each timing also reads one replay's kernels from CUPTI (torch.profiler): the median
+@split and @merge durations and the gaps between consecutive kernels, negative where a
+programmatic dependent launch (PDL) started a kernel before the one it waits on had ended.
+
+Actions: idle (0.5 s), torch-add (one tiny torch kernel), torch-sort (a torch.sort of 1M floats,
+as a sampler's), fill (4 GiB allocated and written, kept), empty-cache, forward (one forward of
+the case launched outside the graph), capture (the same calls captured into another graph, kept).
+
+    python3 tools/graph_state.py --build-dir .devbuild/cuda --profile
+    python3 tools/graph_state.py --build-dir .devbuild/cuda --actions torch-sort,forward,forward
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+from msa_iree import bench
+from msa_iree.runtime import KernelLibrary
+
+
+LAYERS = 57
+DEFAULT_ACTIONS = "idle,torch-add,forward,torch-sort,forward,fill,forward,forward,capture,forward,torch-sort,empty-cache,forward"
+
+
+def kernel_gaps(graph):
+    """One replay's kernels from CUPTI: (median @split us, median @merge us, median gap after a
+    @split, median gap after a @merge); a gap is the next kernel's start minus this one's end."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)[-2 * LAYERS:]  # the last replay
+    med = statistics.median
+    duration = lambda name: med([end - start for start, end, n in kernels if n == name])
+    gap = lambda name: med([kernels[i + 1][0] - kernels[i][1] for i in range(len(kernels) - 1) if kernels[i][2] == name])
+    return duration("split"), duration("merge"), gap("split"), gap("merge")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--build-dir", required=True)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--kv-dtype", default="fp8_e4m3fn")
+    p.add_argument("--actions", default=DEFAULT_ACTIONS)
+    p.add_argument("--profile", action="store_true", help="also each replay's kernel durations and gaps (CUPTI)")
+    bench.add_dependent_launch_arg(p)
+    a = p.parse_args()
+    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False,
+                        dependent_launch=bench.DEPENDENT_LAUNCH[a.dependent_launch])
+    dev = torch.device("cuda")
+    c, attn, out, _ = bench._decode_setup(lib, dev, a.batch, a.context, 1, 16, a.kv_dtype, 16)
+    calls = bench.decode_step_calls(lib, dev, c, attn, out)
+    graph = bench.capture_step(calls, LAYERS)
+    kept = []  # what the actions allocate, alive to the end
+    tiny, keys = torch.zeros(1024, device=dev), torch.rand(1 << 20, device=dev)
+
+    def fill():
+        kept.append(torch.empty(4 << 30, dtype=torch.uint8, device=dev).fill_(1))
+
+    actions = {"idle": lambda: time.sleep(0.5), "torch-add": lambda: tiny.add_(1),
+               "torch-sort": lambda: kept.append(torch.sort(keys)), "fill": fill,
+               "empty-cache": torch.cuda.empty_cache, "forward": calls[0],
+               "capture": lambda: kept.append(bench.capture_step(calls, LAYERS))}
+
+    def show(when):
+        wall = bench.wall_us(graph.replay, 20, dev) / LAYERS
+        device = bench.events_us(graph.replay, 20, dev) / LAYERS
+        line = f"{when:28s} wall {wall:6.2f} events {device:6.2f} us a forward"
+        if a.profile:
+            line += " | split {:.2f} merge {:.2f} gap after split {:+.2f} after merge {:+.2f}".format(*kernel_gaps(graph))
+        print(line, flush=True)
+
+    print(f"{a.kv_dtype} B={a.batch} TP4 L=1 ctx {a.context // 1024}K, one rotated step graph, a forward's share")
+    show("captured")
+    for name in a.actions.split(","):
+        if name not in actions:
+            p.error(f"--actions: expected some of {', '.join(actions)}, got {name!r}")
+        actions[name]()
+        torch.cuda.synchronize()
+        show(f"after {name}")
+
+
+if __name__ == "__main__":
+    main()
