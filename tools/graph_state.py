@@ -5,9 +5,12 @@ process's first case than later (fp8 B=64, 13.4 vs 14.1-14.4 us). This captures 
 (fp8 e4m3fn B=64 TP4 L=1 by default) as one rotated step graph of 57 forwards, times its replays
 (wall time of a replay + sync, as the bench, and CUDA events: device time only), then runs each
 action of --actions in turn, outside the graph, and times the same graph's replays again. With
---profile, each timing also reads one replay's kernels from CUPTI (torch.profiler): the median
-@split and @merge durations and the gaps between consecutive kernels, negative where a
-programmatic dependent launch (PDL) started a kernel before the one it waits on had ended.
+--profile, each timing also reads one replay's kernels from CUPTI (torch.profiler): the @split and
+@merge durations and the gaps between consecutive kernels (medians and means), a gap negative where
+a programmatic dependent launch (PDL) started a kernel before the one it waits on had ended (CUPTI,
+once attached, may shift the later wall and events timings themselves). --history first runs what
+a full bench run runs before its fp8 cases. --long also times a graph of 4 x 57 forwards, which
+splits a forward's share into a per-forward and a per-replay part.
 
 Actions: idle (0.5 s), torch-add (one tiny torch kernel), torch-sort (a torch.sort of 1M floats,
 as a sampler's), fill (4 GiB allocated and written, kept), empty-cache, forward (one forward of
@@ -15,6 +18,7 @@ the case launched outside the graph), capture (the same calls captured into anot
 
     python3 tools/graph_state.py --build-dir .devbuild/cuda --profile
     python3 tools/graph_state.py --build-dir .devbuild/cuda --actions torch-sort,forward,forward
+    python3 tools/graph_state.py --build-dir .devbuild/cuda --history --profile --actions forward
 """
 import argparse
 import statistics
@@ -31,8 +35,8 @@ DEFAULT_ACTIONS = "idle,torch-add,forward,torch-sort,forward,fill,forward,forwar
 
 
 def kernel_gaps(graph):
-    """One replay's kernels from CUPTI: (median @split us, median @merge us, median gap after a
-    @split, median gap after a @merge); a gap is the next kernel's start minus this one's end."""
+    """One replay's kernels from CUPTI: (@split us, @merge us, gap after a @split, gap after a
+    @merge: medians; then the same means); a gap is the next kernel's start minus this one's end."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -41,10 +45,10 @@ def kernel_gaps(graph):
             torch.cuda.synchronize()
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)[-2 * LAYERS:]  # the last replay
-    med = statistics.median
-    duration = lambda name: med([end - start for start, end, n in kernels if n == name])
-    gap = lambda name: med([kernels[i + 1][0] - kernels[i][1] for i in range(len(kernels) - 1) if kernels[i][2] == name])
-    return duration("split"), duration("merge"), gap("split"), gap("merge")
+    durations = lambda name: [end - start for start, end, n in kernels if n == name]
+    gaps = lambda name: [kernels[i + 1][0] - kernels[i][1] for i in range(len(kernels) - 1) if kernels[i][2] == name]
+    samples = (durations("split"), durations("merge"), gaps("split"), gaps("merge"))
+    return tuple(statistics.median(x) for x in samples) + tuple(statistics.mean(x) for x in samples)
 
 
 def main():
@@ -54,15 +58,30 @@ def main():
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--kv-dtype", default="fp8_e4m3fn")
     p.add_argument("--actions", default=DEFAULT_ACTIONS)
+    p.add_argument("--history", action="store_true",
+                   help="first run what a full bench run runs before its fp8 cases (every bf16 decode case "
+                        "and the bf16 prefill, first pass): the level in a long process")
+    p.add_argument("--long", action="store_true",
+                   help="also a graph of 4 x 57 forwards: a replay's fixed cost (launch to first kernel, last "
+                        "kernel to sync) from the two per-forward times")
     p.add_argument("--profile", action="store_true", help="also each replay's kernel durations and gaps (CUPTI)")
     bench.add_dependent_launch_arg(p)
     a = p.parse_args()
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False,
                         dependent_launch=bench.DEPENDENT_LAUNCH[a.dependent_launch])
     dev = torch.device("cuda")
+    if a.history:
+        flushes = bench.Flushes(dev)
+        for hq in (16, 8):
+            for L in (1, 4):
+                for ctx in (4096, 32768, 131072):
+                    for b in (8, 32, 64, 128):
+                        bench.bench_decode(lib, dev, b, ctx, L, hq, "bf16", 20, flushes=flushes)
+        bench.bench_prefill(lib, dev, "bf16", 3, flushes=flushes)
     c, attn, out, _ = bench._decode_setup(lib, dev, a.batch, a.context, 1, 16, a.kv_dtype, 16)
     calls = bench.decode_step_calls(lib, dev, c, attn, out)
     graph = bench.capture_step(calls, LAYERS)
+    long_graph = bench.capture_step(calls, 4 * LAYERS) if a.long else None
     kept = []  # what the actions allocate, alive to the end
     tiny, keys = torch.zeros(1024, device=dev), torch.rand(1 << 20, device=dev)
 
@@ -78,8 +97,13 @@ def main():
         wall = bench.wall_us(graph.replay, 20, dev) / LAYERS
         device = bench.events_us(graph.replay, 20, dev) / LAYERS
         line = f"{when:28s} wall {wall:6.2f} events {device:6.2f} us a forward"
+        if long_graph is not None:
+            long_device = bench.events_us(long_graph.replay, 20, dev) / (4 * LAYERS)
+            fixed = (device - long_device) / (1 / LAYERS - 1 / (4 * LAYERS))  # t(n) = forward + fixed / n
+            line += f" | 4 x 57: events {long_device:6.2f}, so {long_device - fixed / (4 * LAYERS):.2f} a forward + {fixed:.0f} a replay"
         if a.profile:
-            line += " | split {:.2f} merge {:.2f} gap after split {:+.2f} after merge {:+.2f}".format(*kernel_gaps(graph))
+            line += (" | median: split {:.2f} merge {:.2f} gap after split {:+.2f} after merge {:+.2f}"
+                     " | mean: {:.2f} {:.2f} {:+.2f} {:+.2f}").format(*kernel_gaps(graph))
         print(line, flush=True)
 
     print(f"{a.kv_dtype} B={a.batch} TP4 L=1 ctx {a.context // 1024}K, one rotated step graph, a forward's share")
