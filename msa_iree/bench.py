@@ -430,6 +430,15 @@ def plot(rows, path, copy_GBps=None):
 DEPENDENT_LAUNCH = {"auto": None, "on": True, "off": False}  # --dependent-launch -> KernelLibrary(dependent_launch=)
 
 
+def add_graph_case_args(parser, context: int):
+    """The arguments of the tools/graph_*.py probes: the build, and the one decode case they
+    capture (TP4, L=1; fp8 e4m3fn B=64 by default, the case whose graph column they study)."""
+    parser.add_argument("--build-dir", required=True)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=context)
+    parser.add_argument("--kv-dtype", default="fp8_e4m3fn")
+
+
 def add_dependent_launch_arg(parser):
     parser.add_argument("--dependent-launch", choices=tuple(DEPENDENT_LAUNCH), default="auto",
                         help="stream launches as programmatic dependent launches: auto = where the GPU has them (sm_90+)")

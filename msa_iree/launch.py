@@ -254,11 +254,12 @@ class StreamKernel:
         self.driver = driver or CudaDriver()
         self.dependent_launch = dependent_launch
         ptx = ptx_of(vmfb)
-        self.entries = ptx_entries(ptx.decode())
+        text = ptx.decode()
+        self.entries = ptx_entries(text)
         if dependent_launch:
-            ptx = with_dependent_launch(ptx.decode()).encode()
+            ptx = with_dependent_launch(text).encode()
         self.module, self.functions = self.driver.load(ptx, self.entries)
-        uses_shared = entries_using_shared(ptx.decode())
+        uses_shared = entries_using_shared(text)
         self.shared = {n: shared_bytes(vmfb, e[0]) if n in uses_shared else 0 for n, e in self.entries.items()}
         self.plan = DispatchPlan(plan_text)
         self._launches = {}

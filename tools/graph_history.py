@@ -52,12 +52,12 @@ def carve_caches(storage):
 PRELUDES = ("none", "alloc", "torch-graph", "metadata", "forward", "calls", "bf16-forward")
 
 
-def prelude(name, lib, dev):
-    """Work done before the first case, its tensors dropped: "alloc" writes and frees 8 GiB;
-    "torch-graph" captures and replays a graph of torch adds; "metadata" builds the case's tensors
-    and step metadata (IREE calls); "forward" adds one forward; "calls" the 16 steps' forwards
-    (all a capture is made of, but the capture); "bf16-forward" one forward of a bf16 B=8 case
-    (another module's kernels)."""
+def prelude(name, lib, dev, a):
+    """Work done before the first case (`a`: the tool's arguments), its tensors dropped: "alloc"
+    writes and frees 8 GiB; "torch-graph" captures and replays a graph of torch adds; "metadata"
+    builds the case's tensors and step metadata (IREE calls); "forward" adds one forward; "calls"
+    the 16 steps' forwards (all a capture is made of, but the capture); "bf16-forward" one forward
+    of a bf16 B=8 case (another module's kernels)."""
     if name == "alloc":
         bench.write_and_free(dev, 8)
     elif name == "torch-graph":
@@ -69,7 +69,7 @@ def prelude(name, lib, dev):
         for _ in range(20):
             g.replay()
     elif name in ("metadata", "forward", "calls"):
-        c, attn, out, fwd = bench._decode_setup(lib, dev, 64, 131072, 1, 16, "fp8_e4m3fn", 16)
+        c, attn, out, fwd = bench._decode_setup(lib, dev, a.batch, a.context, 1, 16, a.kv_dtype, 16)
         if name == "forward":
             fwd()
         if name == "calls":
@@ -81,10 +81,7 @@ def prelude(name, lib, dev):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--build-dir", required=True)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--context", type=int, default=131072)
-    p.add_argument("--kv-dtype", default="fp8_e4m3fn")
+    bench.add_graph_case_args(p, context=131072)
     p.add_argument("--shared-pool", action="store_true", help="every capture into one graph memory pool")
     p.add_argument("--keep", action="store_true", help="keep every case's tensors alive (no memory reused)")
     p.add_argument("--prelude", choices=PRELUDES, default="none",
@@ -127,7 +124,7 @@ def main():
             kept.append((case, graphs))
         return case, graphs
 
-    prelude(a.prelude, lib, dev)
+    prelude(a.prelude, lib, dev, a)
     print(f"{a.kv_dtype} B={a.batch} TP4 L=1 ctx {a.context // 1024}K, rotated graph, a forward's share"
           + (", one graph pool" if a.shared_pool else "") + (f", caches carved from {a.carve} GiB" if a.carve else "")
           + (", every case kept alive" if a.keep else ""))

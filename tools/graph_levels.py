@@ -59,10 +59,7 @@ def timings(graph, device, iree_call=None):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--build-dir", required=True)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--kv-dtype", default="fp8_e4m3fn")
+    bench.add_graph_case_args(p, context=4096)
     p.add_argument("--graphs", type=int, default=1,
                    help="capture this many graphs of the same calls and measure them in turn (is the level the capture's?)")
     p.add_argument("--timings", action="store_true",

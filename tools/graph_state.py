@@ -53,10 +53,7 @@ def kernel_gaps(graph):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--build-dir", required=True)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--context", type=int, default=131072)
-    p.add_argument("--kv-dtype", default="fp8_e4m3fn")
+    bench.add_graph_case_args(p, context=131072)
     p.add_argument("--actions", default=DEFAULT_ACTIONS)
     p.add_argument("--history", action="store_true",
                    help="first run what a full bench run runs before its fp8 cases (every bf16 decode case "
