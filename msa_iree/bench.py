@@ -370,6 +370,23 @@ def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_le
     return specs
 
 
+def dtype_rows(lib, device, kv_name, heads, query_lens, contexts, batches, iters, matrix="auto", prefill=False,
+               flushes=None):
+    """A run's first pass over one KV dtype, in its order: bench_decode for every (query heads, L,
+    context, batch) the matrix variant supports, then bench_prefill; each row yielded as measured."""
+    for hq in heads:
+        if matrix == "mma" and not SparseAttnDecodeMmaSpec.supports(MsaConfig(num_heads=hq, kv_dtype=kv_name)):
+            continue
+        if matrix == "mfma" and not SparseAttnDecodeMfmaSpec.supports(MsaConfig(num_heads=hq, kv_dtype=kv_name)):
+            continue
+        for L in query_lens:
+            for ctx in contexts:
+                for b in batches:
+                    yield bench_decode(lib, device, b, ctx, L, hq, kv_name, iters, matrix=matrix, flushes=flushes)
+    if prefill:
+        yield bench_prefill(lib, device, kv_name, max(3, iters // 10), matrix=matrix, flushes=flushes)
+
+
 def format_table(rows, copy_GBps):
     head = (f"{'phase':>7} {'matrix':>6} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'L':>4} {'kernel us':>9} {'GB/s':>6} {'%copy':>5} {'dirty us':>8} "
             f"{'chain us':>8} {'call us':>8} {'fwd us':>8} {'fwd/k':>5} {'graph us':>8} {'torch us':>9} {'x torch':>7} {'max err':>8}")
@@ -489,20 +506,10 @@ def main(argv=None):
     ints = lambda s: [int(x) for x in s.split(",") if x]
     for matrix in a.matrix.split(","):
         for kv in a.kv_dtype.split(","):
-            for hq in ints(a.heads):
-                if matrix == "mma" and not SparseAttnDecodeMmaSpec.supports(MsaConfig(num_heads=hq, kv_dtype=kv)):
-                    continue
-                if matrix == "mfma" and not SparseAttnDecodeMfmaSpec.supports(MsaConfig(num_heads=hq, kv_dtype=kv)):
-                    continue
-                for L in ints(a.L):
-                    for ctx in ints(a.context):
-                        for b in ints(a.batch):
-                            rows.append(bench_decode(lib, device, b, ctx, L, hq, kv, a.iters, matrix=matrix,
-                                                     flushes=flushes))
-                            report(rows[-1])
-            if a.prefill:
-                rows.append(bench_prefill(lib, device, kv, max(3, a.iters // 10), matrix=matrix, flushes=flushes))
-                report(rows[-1])
+            for row in dtype_rows(lib, device, kv, ints(a.heads), ints(a.L), ints(a.context), ints(a.batch), a.iters,
+                                  matrix, a.prefill, flushes):
+                rows.append(row)
+                report(row)
     if device.type == "cuda":  # kernel times last: the profiler would slow the wall-clock pass
         for row in rows:
             if row["phase"] == "decode" and row.get("call_us") is not None:

@@ -31,6 +31,7 @@ from msa_iree.runtime import KernelLibrary
 
 
 LAYERS = 57
+ACTIONS = ("idle", "torch-add", "torch-sort", "fill", "empty-cache", "forward", "capture")
 DEFAULT_ACTIONS = "idle,torch-add,forward,torch-sort,forward,fill,forward,forward,capture,forward,torch-sort,empty-cache,forward"
 
 
@@ -64,17 +65,16 @@ def main():
     p.add_argument("--profile", action="store_true", help="also each replay's kernel durations and gaps (CUPTI)")
     bench.add_dependent_launch_arg(p)
     a = p.parse_args()
+    unknown = [name for name in a.actions.split(",") if name not in ACTIONS]
+    if unknown:
+        p.error(f"--actions: expected some of {', '.join(ACTIONS)}, got {', '.join(map(repr, unknown))}")
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False,
                         dependent_launch=bench.DEPENDENT_LAUNCH[a.dependent_launch])
     dev = torch.device("cuda")
-    if a.history:
-        flushes = bench.Flushes(dev)
-        for hq in (16, 8):
-            for L in (1, 4):
-                for ctx in (4096, 32768, 131072):
-                    for b in (8, 32, 64, 128):
-                        bench.bench_decode(lib, dev, b, ctx, L, hq, "bf16", 20, flushes=flushes)
-        bench.bench_prefill(lib, dev, "bf16", 3, flushes=flushes)
+    if a.history:  # `msa-iree bench --matrix auto --prefill --iters 20`'s bf16 pass, its defaults
+        for _ in bench.dtype_rows(lib, dev, "bf16", (16, 8), (1, 4), (4096, 32768, 131072), (8, 32, 64, 128), 20,
+                                  prefill=True, flushes=bench.Flushes(dev)):
+            pass
     c, attn, out, _ = bench._decode_setup(lib, dev, a.batch, a.context, 1, 16, a.kv_dtype, 16)
     calls = bench.decode_step_calls(lib, dev, c, attn, out)
     graph = bench.capture_step(calls, LAYERS)
@@ -89,6 +89,7 @@ def main():
                "torch-sort": lambda: kept.append(torch.sort(keys)), "fill": fill,
                "empty-cache": torch.cuda.empty_cache, "forward": calls[0],
                "capture": lambda: kept.append(bench.capture_step(calls, LAYERS))}
+    assert set(actions) == set(ACTIONS)
 
     def show(when):
         wall = bench.wall_us(graph.replay, 20, dev) / LAYERS
@@ -106,8 +107,6 @@ def main():
     print(f"{a.kv_dtype} B={a.batch} TP4 L=1 ctx {a.context // 1024}K, one rotated step graph, a forward's share")
     show("captured")
     for name in a.actions.split(","):
-        if name not in actions:
-            p.error(f"--actions: expected some of {', '.join(actions)}, got {name!r}")
         actions[name]()
         torch.cuda.synchronize()
         show(f"after {name}")
