@@ -26,6 +26,10 @@ its own block always among them):
 - GB/s counts the selected K and V bytes the queries see, divided by kernel_us, and % copy
   relates it to a device-to-device copy measured in the same run.
 Prefill (q = 4096 over a 32K context) reports kernel_us (as for decode; on the host: forward_us), forward_us and torch_us.
+
+On cuda every kernel time is taken in a last pass over the rows (add_kernel_time): once the
+profiler has attached CUPTI, a graph's replays stay ~1 us a forward slower for the rest of the
+process (tools/PERF.md, fourteenth session).
 """
 from __future__ import annotations
 
@@ -304,54 +308,63 @@ def capture_step(calls, layers=57, pool=None):
 
 
 def add_kernel_time(lib, device, row, rotations=16, flushes=None):
-    """Second pass (profiler attached): the device time of one forward's kernels, L2 flushed."""
-    c, attn, out, fwd = _decode_setup(lib, device, row["batch"], row["context"], row["L"], row["q_heads"],
-                                      row["kv_dtype"], rotations, row["matrix"])
+    """Second pass (profiler attached): the device time of one forward's kernels, L2 flushed.
+    A run's last pass: CUPTI, once attached, keeps a graph's replays ~1 us a forward slower for
+    the rest of the process (tools/PERF.md, fourteenth session), so no wall or graph time may
+    follow it."""
+    if row["phase"] == "prefill":
+        c, _, _, _, fwd = _prefill_setup(lib, device, row["kv_dtype"], row["L"], row["context"], row["q_heads"],
+                                         row["matrix"])
+    else:
+        c, _, _, fwd = _decode_setup(lib, device, row["batch"], row["context"], row["L"], row["q_heads"],
+                                     row["kv_dtype"], rotations, row["matrix"])
     by_kernel = {}
     flushes = flushes or Flushes(device)
     k_us = kernel_us(fwd, device, flush=flushes.clean, by_kernel=by_kernel)
-    row.update(kernel_us=k_us, kernels_us=by_kernel, GBps=c.kv_bytes / k_us / 1e3, x_torch=row["torch_us"] / k_us,
-               overhead_us=row["forward_us"] - k_us, forward_over_kernel=row["forward_us"] / k_us,
-               kernel_dirty_us=kernel_us(fwd, device, flush=flushes.dirty))
+    row.update(kernel_us=k_us, kernels_us=by_kernel, GBps=c.kv_bytes / k_us / 1e3,
+               x_torch=row["torch_us"] / k_us, overhead_us=row["forward_us"] - k_us,
+               forward_over_kernel=row["forward_us"] / k_us, kernel_dirty_us=kernel_us(fwd, device, flush=flushes.dirty))
 
 
-def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_heads=16, matrix="auto",
-                  flushes=None):
-    """One request computing its last q_len tokens over a context of `context`."""
+def _prefill_setup(lib, device, kv_name, q_len, context, num_heads, matrix):
+    """One request computing its last q_len tokens over a context of `context`: (case, attend,
+    output, metadata, forward)."""
     kv_dtype = DTYPES[kv_name]
     c = DecodeCase(1, context, q_len, num_heads, kv_dtype, device, 1, seed=5)
-    scale = 128 ** -0.5
-    attn = SparseAttention(num_heads, 1, 128, scale, kv_dtype, kernels=lib, gpu_matrix=matrix)
+    attn = SparseAttention(num_heads, 1, 128, 128 ** -0.5, kv_dtype, kernels=lib, gpu_matrix=matrix)
     builder = MetadataBuilder(max_num_seqs=1, max_model_len=context, kernels=lib, device=device)
     qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
     md = builder.build(c.block_table, c.seq_lens, qsl, c.seq_lens - q_len, decode_query_len=1, num_decodes=0)
     out = torch.full_like(c.q, float("nan"))
     fwd = lambda: attn.forward(c.q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale)
+    return c, attn, out, md, fwd
+
+
+def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_heads=16, matrix="auto",
+                  flushes=None):
+    """One request computing its last q_len tokens over a context of `context`: the correctness
+    check and the wall-clock numbers (on cuda, add_kernel_time adds the kernel time in the run's
+    last pass; on the host, where one call takes seconds and its overhead is noise, kernel_us is
+    forward_us)."""
+    c, attn, out, md, fwd = _prefill_setup(lib, device, kv_name, q_len, context, num_heads, matrix)
     fwd()
     p = md.prefill
     bt, ctx = reference.build_sparse_block_table_prefill(c.topk, p.block_table, p.query_req_id, p.query_abs_pos, 16)
     ref = torch.empty_like(c.q)
-    eager = lambda: reference.sparse_paged_attend(c.q, c.k_cache, c.v_cache, bt, ctx, 1, scale, ref,
+    eager = lambda: reference.sparse_paged_attend(c.q, c.k_cache, c.v_cache, bt, ctx, 1, attn.scale, ref,
                                                   c.k_scale, c.v_scale)
     eager()
     err = (out.float() - ref.float()).abs()
     forward_us = wall_us(fwd, iters, device)
-    flushes = flushes or Flushes(device)
-    torch_us = events_us(eager, iters, device, flushes.clean)
-    by_kernel = {}
-    dirty_us = None
-    if device.type == "cuda":  # kernel time as for decode (L2 flushed, profiler records)
-        k_us = kernel_us(fwd, device, flush=flushes.clean, by_kernel=by_kernel)
-        dirty_us = kernel_us(fwd, device, flush=flushes.dirty)
-    else:  # the host: one 4096-token call takes seconds, its call overhead is noise
-        k_us = forward_us
-    return {"phase": "prefill", "batch": 1, "context": context, "L": q_len, "q_heads": num_heads, "kv_dtype": kv_name,
-            "kernel": attn.prefill_spec.kernel if attn.gpu_decode else "portable", "matrix": matrix,
-            "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "ref_max_abs": float(ref.abs().max()),
-            "kv_MB": c.kv_bytes / 1e6,
-            "forward_us": forward_us, "torch_us": torch_us, "kernel_us": k_us, "kernels_us": by_kernel,
-            "kernel_dirty_us": dirty_us,
-            "forward_over_kernel": forward_us / k_us, "GBps": c.kv_bytes / k_us / 1e3, "x_torch": torch_us / k_us}
+    torch_us = events_us(eager, iters, device, (flushes or Flushes(device)).clean)
+    row = {"phase": "prefill", "batch": 1, "context": context, "L": q_len, "q_heads": num_heads, "kv_dtype": kv_name,
+           "kernel": attn.prefill_spec.kernel if attn.gpu_decode else "portable", "matrix": matrix,
+           "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "ref_max_abs": float(ref.abs().max()),
+           "kv_MB": c.kv_bytes / 1e6, "forward_us": forward_us, "torch_us": torch_us}
+    if device.type != "cuda":
+        row.update(kernel_us=forward_us, kernels_us={}, kernel_dirty_us=None, forward_over_kernel=1.0,
+                   GBps=c.kv_bytes / forward_us / 1e3, x_torch=torch_us / forward_us)
+    return row
 
 
 def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_lens=(1, 4), prefill=True):
@@ -510,9 +523,9 @@ def main(argv=None):
                                   matrix, a.prefill, flushes):
                 rows.append(row)
                 report(row)
-    if device.type == "cuda":  # kernel times last: the profiler would slow the wall-clock pass
+    if device.type == "cuda":  # kernel times last: the profiler would slow the wall-clock and graph pass
         for row in rows:
-            if row["phase"] == "decode" and row.get("call_us") is not None:
+            if row["phase"] == "prefill" or row.get("call_us") is not None:
                 add_kernel_time(lib, device, row, flushes=flushes)
                 report(row)
     print(format_table(rows, copy))

@@ -63,3 +63,14 @@ def test_recorded_run_prints(capsys):
     assert bench.main(["--from-json", str(path)]) == 0
     table = capsys.readouterr().out
     assert table.count("decode") == sum(r["phase"] == "decode" for r in rows) and "prefill" in table
+
+
+def test_host_prefill_row_checks_against_the_reference(host_kernels):
+    # the prefill row's wall-clock pass; on the host its kernel time is the forward's (cuda adds
+    # it in the run's last, profiled pass)
+    row = bench.bench_prefill(host_kernels, torch.device("cpu"), "fp8_e4m3fnuz", iters=1, q_len=5, context=300,
+                              num_heads=16)
+    assert row["phase"] == "prefill" and row["kernel"] == "portable"
+    assert row["max_abs_err"] < 1.7e-2 * max(1.0, row["ref_max_abs"] / 4)
+    assert row["kernel_us"] == row["forward_us"] > 0 and row["torch_us"] > 0
+    assert row["GBps"] > 0 and row["kv_MB"] > 0

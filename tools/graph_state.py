@@ -7,14 +7,17 @@ process's first case than later (fp8 B=64, 13.4 vs 14.1-14.4 us). This captures 
 action of --actions in turn, outside the graph, and times the same graph's replays again. With
 --profile, each timing also reads one replay's kernels from CUPTI (torch.profiler): the @split and
 @merge durations and the gaps between consecutive kernels (medians and means), a gap negative where
-a programmatic dependent launch (PDL) started a kernel before the one it waits on had ended (CUPTI,
-once attached, may shift the later wall and events timings themselves). --history first runs what
-a full bench run runs before its fp8 cases. --long also times a graph of 4 x 57 forwards, which
+a programmatic dependent launch (PDL) started a kernel before the one it waits on had ended
+(CUPTI, once attached, slows the later wall and events timings themselves: see the profile
+action). --history first runs what a full bench run runs before its fp8 cases. --long also times a graph of 4 x 57 forwards, which
 splits a forward's share into a per-forward and a per-replay part.
 
 Actions: idle (0.5 s), torch-add (one tiny torch kernel), torch-sort (a torch.sort of 1M floats,
 as a sampler's), fill (4 GiB allocated and written, kept), empty-cache, forward (one forward of
-the case launched outside the graph), capture (the same calls captured into another graph, kept).
+the case launched outside the graph), capture (the same calls captured into another graph, kept),
+profile (one forward outside the graph under torch.profiler's CUDA activity, as the bench's
+kernel-time pass: from then on the graph replays ~1 us a forward slower and a forward no longer
+brings the fast level back, tools/PERF.md).
 
     python3 tools/graph_state.py --build-dir .devbuild/cuda --profile
     python3 tools/graph_state.py --build-dir .devbuild/cuda --actions torch-sort,forward,forward
@@ -31,7 +34,7 @@ from msa_iree.runtime import KernelLibrary
 
 
 LAYERS = 57
-ACTIONS = ("idle", "torch-add", "torch-sort", "fill", "empty-cache", "forward", "capture")
+ACTIONS = ("idle", "torch-add", "torch-sort", "fill", "empty-cache", "forward", "capture", "profile")
 DEFAULT_ACTIONS = "idle,torch-add,forward,torch-sort,forward,fill,forward,forward,capture,forward,torch-sort,empty-cache,forward"
 
 
@@ -88,7 +91,8 @@ def main():
     actions = {"idle": lambda: time.sleep(0.5), "torch-add": lambda: tiny.add_(1),
                "torch-sort": lambda: kept.append(torch.sort(keys)), "fill": fill,
                "empty-cache": torch.cuda.empty_cache, "forward": calls[0],
-               "capture": lambda: kept.append(bench.capture_step(calls, LAYERS))}
+               "capture": lambda: kept.append(bench.capture_step(calls, LAYERS)),
+               "profile": lambda: bench.kernel_us(calls[0], dev, iters=1)}
     assert set(actions) == set(ACTIONS)
 
     def show(when):
