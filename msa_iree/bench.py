@@ -15,13 +15,19 @@ its own block always among them):
   calls read block tables of different rotations, mapping to disjoint blocks of a >= 256 MiB
   pool, so the L2 stays cold;
 - call_us: one module call from Python (lib.run; on cuda launched on torch's stream, msa_iree.launch),
-  and forward_us: one SparseAttention.forward (checks + call), each waited for (+ sync), medians;
+  and forward_us: one SparseAttention.forward (checks + call), each waited for (+ sync), the L2
+  flushed before each call as for kernel_us (so forward_over_kernel compares like with like),
+  medians of >= 100 calls on cuda;
 - graph_us (cuda, stream launches): per forward of 57 forwards over 16 block-table rotations
   captured in a CUDA graph and replayed, median replay (how vLLM runs decode, and the ANCHORS
   protocol's "rotate inputs": consecutive forwards read disjoint blocks, so each finds its K/V
   in DRAM, with no flush and none of a flush's dirty lines; the gaps between kernels count):
   the median of three captures (graph_us_all: all three; a capture's replays agree, captures
   differ by up to ~0.7 us, tools/PERF.md);
+- step_us (cuda, stream launches): per forward of a decode step of 57 forwards run eagerly, back
+  to back, as serving without a graph runs them (one step's metadata, each layer its own cache
+  slice of the pool, consecutive layers sharing no block, one sync a step): the end-to-end
+  per-call time of forward in serving;
 - torch_us: torch eager's reference attend over the prebuilt page table (CUDA events, median);
 - GB/s counts the selected K and V bytes the queries see, divided by kernel_us, and % copy
   relates it to a device-to-device copy measured in the same run.
@@ -44,11 +50,12 @@ import torch
 from . import reference
 from .config import DTYPES, MsaConfig
 from .kernels import SparseAttnDecodeGpuSpec, SparseAttnDecodeMfmaSpec, SparseAttnDecodeMmaSpec
-from .layout import BLOCK_SIZE, allocate_kv_cache
+from .layout import BLOCK_SIZE, PAGES_PER_BLOCK, SIDES_PER_BLOCK, allocate_kv_cache
 from .runtime import KernelLibrary, MetadataBuilder, SparseAttention
 
 TOPK = 16
 POOL_BYTES = 256 << 20  # cache pool for the L2 rotation: >= 2 block tables' worth and ~5x the H200's 50 MiB L2
+WALL_ITERS = 100  # at least this many single calls for a wall-clock median: the H200 host's clock jitters by us
 
 
 def _sync(device):
@@ -56,9 +63,13 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def wall_us(fn, iters, device):
+def wall_us(fn, iters, device, flush=None):
+    """Median wall time of `fn` + a device sync, the device idle at the start; `flush` (an L2
+    flush, as events_us's) runs before each call, outside the measurement."""
     times = []
     for _ in range(iters):
+        if flush is not None:
+            flush()
         _sync(device)
         t0 = time.perf_counter()
         fn()
@@ -181,7 +192,8 @@ class DecodeCase:
             self.k_scale = self.v_scale = None
         # rotations of the block table: rotation r a random map onto slice r % slices of the pool, so
         # that consecutive rotations share no block (a replay of them finds none of its K/V in the L2)
-        slices = pool // mapped
+        self.mapped, self.slices = mapped, pool // mapped
+        slices = self.slices
         self.bt_rot = torch.stack([(torch.randperm(mapped, generator=g, device=device) + r % slices * mapped)
                                    .reshape(batch, blocks_per_req).int() for r in range(rotations)])
         self.block_table = self.bt_rot[0].contiguous()
@@ -204,6 +216,15 @@ class DecodeCase:
         # the older blocks are whole, the own block holds the row's first pos % 128 + 1 tokens
         self.visible_tokens = int(((picks >= 0).sum(1) * BLOCK_SIZE + pos % BLOCK_SIZE + 1).sum())
         self.kv_bytes = self.visible_tokens * 128 * 2 * self.k_cache.element_size()
+
+    def layer_cache(self, i):
+        """(k_cache, v_cache) views of slice i % slices of the pool, `mapped` blocks each: read
+        through block_table (rotation 0, ids below `mapped`), block b of layer i is the pool's
+        block b + (i % slices) * mapped, so layers i and i + 1 share no block (as separate
+        layers' caches)."""
+        block = PAGES_PER_BLOCK * SIDES_PER_BLOCK  # pages: a block's K pages, then its V pages
+        first, pages = i % self.slices * self.mapped * block, self.mapped * block
+        return self.k_cache[first:first + pages], self.v_cache[first:first + pages - PAGES_PER_BLOCK]
 
 
 def _decode_setup(lib, device, batch, context, L, num_heads, kv_name, rotations, matrix="auto"):
@@ -242,6 +263,8 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
     CUPTI, once attached, slows every later CUDA call of the process)."""
     c, attn, out, fwd = _decode_setup(lib, device, batch, context, L, num_heads, kv_name, rotations, matrix)
     fwd()
+    flushes = flushes or Flushes(device)
+    single_iters = max(iters, WALL_ITERS) if device.type == "cuda" else iters
     bt, ctx = reference.build_sparse_block_table_decode(c.topk, c.block_table, c.seq_lens, L, 16)
     ref = torch.empty_like(c.q)
     eager = lambda: reference.sparse_paged_attend(c.q, c.k_cache, c.v_cache, bt, ctx, 1, attn.scale, ref,
@@ -251,13 +274,13 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
     row = {"phase": "decode", "batch": batch, "context": context, "L": L, "q_heads": num_heads, "kv_dtype": kv_name,
            "kernel": attn.decode_spec.kernel if attn.gpu_decode else "portable", "matrix": matrix,
            "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "ref_max_abs": float(ref.abs().max()),
-           "kv_MB": c.kv_bytes / 1e6, "forward_us": wall_us(fwd, iters, device)}
-    row["torch_us"] = events_us(eager, iters, device, (flushes or Flushes(device)).clean)
+           "kv_MB": c.kv_bytes / 1e6, "forward_us": wall_us(fwd, single_iters, device, flushes.clean)}
+    row["torch_us"] = events_us(eager, iters, device, flushes.clean)
     row["x_torch"] = row["torch_us"] / row["forward_us"]  # replaced by the kernel ratio when kernel time is known
     row["GBps"] = c.kv_bytes / row["forward_us"] / 1e3
     if attn.gpu_decode and device.type == "cuda":
         spec, args, ws = decode_module_operands(attn, c)
-        row["call_us"] = wall_us(lambda: lib.run(spec, *args, out=[out, ws]), iters, device)
+        row["call_us"] = wall_us(lambda: lib.run(spec, *args, out=[out, ws]), single_iters, device, flushes.clean)
         chain = lib.function(spec, "chain")
         iree_args = [lib.to_iree(a) for a in args]
         iree_args[4] = lib.to_iree(c.bt_rot.reshape(-1, c.bt_rot.shape[2]))
@@ -271,7 +294,32 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
             # ~0.1 us, but the time sits on one of two levels ~0.7 us apart (tools/PERF.md)
             row["graph_us_all"] = sorted(graph_us(lib, device, c, attn, out, iters) for _ in range(3))
             row["graph_us"] = row["graph_us_all"][1]
+            row["step_us"] = step_us(lib, device, c, attn, iters)
     return row
+
+
+def step_us(lib, device, c, attn, iters, layers=57):
+    """Per forward of a decode step run eagerly as serving runs it without a graph: `layers`
+    forwards back to back, one step's metadata for all, each layer its own SparseAttention over its
+    own cache (c.layer_cache: consecutive layers share no block, as in graph_us), one sync a step;
+    median wall time of a step / `layers`. The end-to-end per-call time of forward in serving."""
+    (md,) = _decode_metadata(lib, device, c, [c.block_table])
+    n = min(c.slices, 16)
+    calls = []
+    for i in range(n):
+        layer = SparseAttention(attn.cfg.num_heads, 1, 128, attn.scale, c.k_cache.dtype, kernels=lib,
+                                gpu_matrix=attn.gpu_matrix)
+        k, v = c.layer_cache(i)
+        out = torch.empty_like(c.q)
+        calls.append(lambda layer=layer, k=k, v=v, out=out:
+                     layer.forward(c.q, k, v, out, c.topk, md, c.k_scale, c.v_scale))
+        calls[-1]()  # checked once; the later calls of the step take the layer's bound launch
+
+    def step():
+        for i in range(layers):
+            calls[i % n]()
+
+    return wall_us(step, iters, device) / layers
 
 
 def graph_us(lib, device, c, attn, out, iters, layers=57, pool=None):
@@ -355,8 +403,9 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
                                                   c.k_scale, c.v_scale)
     eager()
     err = (out.float() - ref.float()).abs()
-    forward_us = wall_us(fwd, iters, device)
-    torch_us = events_us(eager, iters, device, (flushes or Flushes(device)).clean)
+    flushes = flushes or Flushes(device)
+    forward_us = wall_us(fwd, iters, device, flushes.clean)
+    torch_us = events_us(eager, iters, device, flushes.clean)
     row = {"phase": "prefill", "batch": 1, "context": context, "L": q_len, "q_heads": num_heads, "kv_dtype": kv_name,
            "kernel": attn.prefill_spec.kernel if attn.gpu_decode else "portable", "matrix": matrix,
            "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "ref_max_abs": float(ref.abs().max()),
@@ -402,7 +451,7 @@ def dtype_rows(lib, device, kv_name, heads, query_lens, contexts, batches, iters
 
 def format_table(rows, copy_GBps):
     head = (f"{'phase':>7} {'matrix':>6} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'L':>4} {'kernel us':>9} {'GB/s':>6} {'%copy':>5} {'dirty us':>8} "
-            f"{'chain us':>8} {'call us':>8} {'fwd us':>8} {'fwd/k':>5} {'graph us':>8} {'torch us':>9} {'x torch':>7} {'max err':>8}")
+            f"{'chain us':>8} {'call us':>8} {'fwd us':>8} {'fwd/k':>5} {'step us':>7} {'graph us':>8} {'torch us':>9} {'x torch':>7} {'max err':>8}")
     lines = [f"device-to-device copy: {copy_GBps:.0f} GB/s", head]
     for r in rows:
         k = f"{r['kernel_us']:9.1f}" if r.get("kernel_us") else f"{'-':>9}"
@@ -410,10 +459,11 @@ def format_table(rows, copy_GBps):
         chain = f"{r['chained_us']:8.1f}" if r.get("chained_us") else f"{'-':>8}"
         ratio = f"{r['forward_over_kernel']:5.2f}" if r.get("forward_over_kernel") else f"{'-':>5}"
         graph = f"{r['graph_us']:8.1f}" if r.get("graph_us") else f"{'-':>8}"
+        step = f"{r['step_us']:7.1f}" if r.get("step_us") else f"{'-':>7}"
         dirty = f"{r['kernel_dirty_us']:8.1f}" if r.get("kernel_dirty_us") else f"{'-':>8}"
         lines.append(f"{r['phase']:>7} {r.get('matrix', 'auto'):>6} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} {r['batch']:>4} {r['context']:>6} "
                      f"{r['L']:>4} {k} {r['GBps']:6.0f} {100 * r['GBps'] / copy_GBps:5.1f} {dirty} {chain} {call} "
-                     f"{r['forward_us']:8.1f} {ratio} {graph} {r['torch_us']:9.1f} {r['x_torch']:7.2f} {r['max_abs_err']:8.1e}")
+                     f"{r['forward_us']:8.1f} {ratio} {step} {graph} {r['torch_us']:9.1f} {r['x_torch']:7.2f} {r['max_abs_err']:8.1e}")
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ import pathlib
 import torch
 
 from msa_iree import bench
-from msa_iree.layout import BLOCK_SIZE
+from msa_iree.layout import BLOCK_SIZE, block_pages, num_cache_blocks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -74,3 +74,18 @@ def test_host_prefill_row_checks_against_the_reference(host_kernels):
     assert row["max_abs_err"] < 1.7e-2 * max(1.0, row["ref_max_abs"] / 4)
     assert row["kernel_us"] == row["forward_us"] > 0 and row["torch_us"] > 0
     assert row["GBps"] > 0 and row["kv_MB"] > 0
+
+
+def test_layer_caches_are_disjoint_slices_of_the_pool():
+    # step_us's layers: layer i reads, through the case's block table, the pool's blocks of slice i
+    c = bench.DecodeCase(batch=2, context=300, L=1, num_heads=16, kv_dtype=torch.bfloat16, device=torch.device("cpu"),
+                         rotations=1, pool_bytes=1 << 20)
+    assert c.slices >= 2 and int(c.block_table.max()) < c.mapped
+    ids = c.block_table.reshape(-1)
+    pages = block_pages(c.k_cache, c.v_cache, ids)
+    for i in range(c.slices + 1):
+        k, v = c.layer_cache(i)
+        assert num_cache_blocks(k, v) == c.mapped
+        shifted = block_pages(c.k_cache, c.v_cache, ids + i % c.slices * c.mapped)
+        assert torch.equal(k[pages], c.k_cache[shifted]) and torch.equal(v[pages], c.v_cache[shifted])
+        assert k.data_ptr() == c.k_cache[shifted[0, 0] - pages[0, 0]].data_ptr()
