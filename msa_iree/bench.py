@@ -299,10 +299,17 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
 
 
 def step_us(lib, device, c, attn, iters, layers=57):
-    """Per forward of a decode step run eagerly as serving runs it without a graph: `layers`
-    forwards back to back, one step's metadata for all, each layer its own SparseAttention over its
-    own cache (c.layer_cache: consecutive layers share no block, as in graph_us), one sync a step;
-    median wall time of a step / `layers`. The end-to-end per-call time of forward in serving."""
+    """Per forward of a decode step run eagerly (serving_step_calls, one sync a step): median wall
+    time of a step / `layers`. The end-to-end per-call time of forward in serving."""
+    calls = serving_step_calls(lib, device, c, attn, layers)
+    return wall_us(lambda: [call() for call in calls], iters, device) / layers
+
+
+def serving_step_calls(lib, device, c, attn, layers=57):
+    """The `layers` forwards of one decode step of DecodeCase `c` as serving makes them: one step's
+    metadata for all, each layer its own SparseAttention (like `attn`) over its own cache
+    (c.layer_cache, up to 16 layers cycled: consecutive layers share no block, as in graph_us).
+    Each layer's first call is made here (checked once; its later calls take its bound launch)."""
     (md,) = _decode_metadata(lib, device, c, [c.block_table])
     n = min(c.slices, 16)
     calls = []
@@ -313,13 +320,8 @@ def step_us(lib, device, c, attn, iters, layers=57):
         out = torch.empty_like(c.q)
         calls.append(lambda layer=layer, k=k, v=v, out=out:
                      layer.forward(c.q, k, v, out, c.topk, md, c.k_scale, c.v_scale))
-        calls[-1]()  # checked once; the later calls of the step take the layer's bound launch
-
-    def step():
-        for i in range(layers):
-            calls[i % n]()
-
-    return wall_us(step, iters, device) / layers
+        calls[-1]()
+    return [calls[i % n] for i in range(layers)]
 
 
 def graph_us(lib, device, c, attn, out, iters, layers=57, pool=None):

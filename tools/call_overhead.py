@@ -20,10 +20,10 @@ import time
 import torch
 import torch.utils.dlpack
 
-from msa_iree.bench import (DEPENDENT_LAUNCH, Flushes, _decode_metadata, _decode_setup, add_dependent_launch_arg,
-                            capture_step, decode_module_operands, wall_us)
-from msa_iree.layout import allocate_kv_cache, num_cache_blocks
-from msa_iree.runtime import KernelLibrary, MetadataBuilder, SparseAttention, insert_kv
+from msa_iree.bench import (DEPENDENT_LAUNCH, Flushes, _decode_setup, add_dependent_launch_arg, capture_step,
+                            decode_module_operands, serving_step_calls, wall_us)
+from msa_iree.layout import num_cache_blocks
+from msa_iree.runtime import KernelLibrary, MetadataBuilder, insert_kv
 
 
 def median_us(fn, iters=200, sync=True):
@@ -66,24 +66,11 @@ def insert_rows(lib, c, attn, dev, layers):
     return bound, rows
 
 
-def serving_rows(lib, c, attn, dev, layers, caches=16):
-    """A decode step as serving runs it: `layers` forwards back to back, one step's metadata for
-    all, each layer its own SparseAttention and its own cache (`caches` copies of the case's,
-    cycled: by a layer's next turn the L2 holds other layers' K/V, so every forward reads its K/V
-    from DRAM); per call, + one sync a step. Then the same step captured in a CUDA graph."""
-    (md,) = _decode_metadata(lib, dev, c, [c.block_table])
-    blocks = num_cache_blocks(c.k_cache, c.v_cache)
-    steps = []
-    for _ in range(caches):
-        k, v = allocate_kv_cache(blocks, 1, c.k_cache.dtype, device=dev)
-        k.untyped_storage().copy_(c.k_cache.untyped_storage())
-        layer = SparseAttention(attn.cfg.num_heads, 1, 128, attn.scale, c.k_cache.dtype, kernels=lib)
-        out = torch.empty_like(c.q)
-        steps.append(lambda layer=layer, k=k, v=v, out=out:
-                     layer.forward(c.q, k, v, out, c.topk, md, c.k_scale, c.v_scale))
-    calls = [steps[i % caches] for i in range(layers)]
-    for call in steps:
-        call()  # each layer's first call binds its launch
+def serving_rows(lib, c, attn, dev, layers):
+    """A decode step as serving runs it (bench.serving_step_calls: one step's metadata, each layer
+    its own SparseAttention over its own slice of the pool, so every forward reads its K/V from
+    DRAM): back to back + one sync, per call; then the same step captured in a CUDA graph."""
+    calls = serving_step_calls(lib, dev, c, attn, layers)
 
     def step():
         for call in calls:
@@ -91,7 +78,7 @@ def serving_rows(lib, c, attn, dev, layers, caches=16):
         torch.cuda.synchronize()
 
     graph = capture_step(calls, layers)
-    return {f"{layers} forwards over {caches} layers' caches + sync, per call (serving, K/V from DRAM)":
+    return {f"{layers} forwards over the layers' own caches + sync, per call (serving, K/V from DRAM)":
                 median_us(step, iters=20) / layers,
             "the same step in a CUDA graph, replay + sync, per call":
                 median_us(lambda: (graph.replay(), torch.cuda.synchronize()), iters=20) / layers}
