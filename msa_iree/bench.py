@@ -521,9 +521,17 @@ def add_graph_case_args(parser, context: int):
     parser.add_argument("--kv-dtype", default="fp8_e4m3fn")
 
 
-def add_dependent_launch_arg(parser):
+def add_launch_args(parser):
+    """The stream-launch options of KernelLibrary, as flags (read back by `launch_options`)."""
     parser.add_argument("--dependent-launch", choices=tuple(DEPENDENT_LAUNCH), default="auto",
                         help="stream launches as programmatic dependent launches: auto = where the GPU has them (sm_90+)")
+    parser.add_argument("--l2-evict-first", choices=("on", "off"), default="on",
+                        help="decode attends that read each page once mark their loads L2 evict-first")
+
+
+def launch_options(args) -> dict:
+    """KernelLibrary's keyword arguments for the flags of `add_launch_args`."""
+    return {"dependent_launch": DEPENDENT_LAUNCH[args.dependent_launch], "l2_evict_first": args.l2_evict_first == "on"}
 
 
 def main(argv=None):
@@ -540,7 +548,7 @@ def main(argv=None):
     p.add_argument("--matrix", default="auto", help="GPU attend variants, comma list: auto (the target's matrix "
                    "cores where possible: mma on cuda, mfma on hip), fma (portable), mma, mfma")
     p.add_argument("--iters", type=int, default=30)
-    add_dependent_launch_arg(p)
+    add_launch_args(p)
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--plot", help="write a PNG of GB/s vs batch here (needs matplotlib)")
     p.add_argument("--from-json", help="no run: print the table (and --plot) of an earlier run's JSON")
@@ -555,7 +563,7 @@ def main(argv=None):
     if not a.build_dir:
         p.error("--build-dir is required for a run")
     device = torch.device("cuda" if a.target in ("cuda", "hip") else "cpu")
-    lib = KernelLibrary(a.target, a.build_dir, compile_missing=False, dependent_launch=DEPENDENT_LAUNCH[a.dependent_launch])
+    lib = KernelLibrary(a.target, a.build_dir, compile_missing=False, **launch_options(a))
     copy = copy_bandwidth_GBps(device) if device.type == "cuda" else float("nan")
     flushes = Flushes(device)  # the flush buffers, made once for the run
     rows = []
@@ -566,6 +574,7 @@ def main(argv=None):
             with open(a.json, "w") as f:
                 json.dump({"copy_GBps": copy, "device": torch.cuda.get_device_name() if device.type == "cuda"
                            else "cpu", "dependent_launch": lib.dependent_launch,
+                           "l2_evict_first": lib.l2_evict_first,
                            "rows": rows}, f, indent=1)
 
     ints = lambda s: [int(x) for x in s.split(",") if x]

@@ -624,6 +624,17 @@ class SparseAttnDecodeGpuSpec(_TemplateSpec):
         """True when `cfg` can be built by this kernel (what __post_init__ would otherwise refuse)."""
         return cfg.group_size in cls.GROUP_SIZES and cfg.topk == 16
 
+    @property
+    def kv_read_once(self) -> bool:
+        """Whether each K/V page it reads is read by one row only: a decode with one query token a
+        sequence (a row reads its own top-k blocks; rows share pages only through a shared prefix).
+        Its loads may then be marked L2 evict-first (msa_iree.launch.with_l2_evict_first). H200,
+        TP4 B=64 (tools/PERF.md, A/B runs): graph us fp8 14.2-14.6 -> 13.4-14.1, bf16 22.4-22.9
+        -> 21.7-22.4; after a dirty flush fp8 15.7-16.5 -> 14.6-15.1, bf16 25.9-26.4 -> 23.0-23.3;
+        kernel us unchanged. Where rows share pages (several tokens a sequence, prefill) the hint
+        cost re-reads: bf16 L=4 4K B=64 51.7 -> 59.5 us, prefill 528 -> 583 us."""
+        return not self.prefill and self.cfg.decode_query_len == 1
+
     def workspace_floats(self, num_tokens: int) -> int:
         """f32 elements of the workspace `main` takes after the output (the split partials o and
         (m, l) of rows x splits x G heads, 130 floats each; the template uses 16 splits up to 16

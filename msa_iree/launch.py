@@ -130,12 +130,44 @@ def with_dependent_launch(ptx: str) -> str:
     if (int(version[1]), int(version[2])) < (7, 8):
         ptx = ptx[:version.start()] + ".version 7.8" + ptx[version.end():]
     ptx = re.sub(r"^\.target sm_(\d+)$", lambda m: f".target sm_{max(int(m[1]), 90)}", ptx, count=1, flags=re.M)
-    # after each entry's register declarations, before its first instruction
+    return _at_entry_starts(ptx, "\tgriddepcontrol.wait;\n")
+
+
+def _at_entry_starts(ptx: str, text: str) -> str:
+    """The PTX with `text` put in each entry after its register declarations, ahead of its first
+    instruction (and of anything put there before)."""
     body = re.compile(r"(\.visible \.entry \w+\(.*?\)[^{]*\{\n(?:\s*\.reg [^\n]*\n|\s*\n)*)", re.S)
-    ptx, n = body.subn(lambda m: m[1] + "\tgriddepcontrol.wait;\n", ptx)
+    ptx, n = body.subn(lambda m: m[1] + text, ptx)
     if n != len(ptx_entries(ptx)):
         raise ValueError(f"ptx: found the body of {n} of its {len(ptx_entries(ptx))} entries")
     return ptx
+
+
+_L2_POLICY = "%msa_l2_evict_first"
+_GLOBAL_LOAD = re.compile(r"\b(ld\.global(?:\.nc)?)((?:\.v[248])?\.[bsuf]\d+\s[^;\[]*\[[^\]]+\]);")
+_ASYNC_COPY = re.compile(r"\b(cp\.async\.c[ag]\.shared\.global)(\s+\[[^\]]+\],\s*\[[^\]]+\],\s*\d+);")
+
+
+def with_l2_evict_first(ptx: str) -> str:
+    """The PTX with every global load (`ld.global`, `cp.async` from global memory) carrying an L2
+    cache policy of evict-first (`createpolicy.fractional.L2::evict_first`, made once at each
+    entry's start; PTX ISA 7.4, sm_80): the lines it brings in are the first L2 gives up, so a
+    kernel that reads each byte once streams through L2 without pushing out what the kernels
+    around it will read again (the next layer's inputs, the merge's partials, dirty lines).
+    A hint: results do not change. Meant for kernels whose reads are not reused (a decode with
+    one query token a sequence: `kv_read_once` of its spec); where rows share pages (several
+    query tokens a sequence, prefill) it costs re-reads from memory (tools/PERF.md). Raises if
+    a global load it does not recognise would be left unhinted."""
+    ptx, loads = _GLOBAL_LOAD.subn(rf"\1.L2::cache_hint\2, {_L2_POLICY};", ptx)
+    ptx, copies = _ASYNC_COPY.subn(rf"\1.L2::cache_hint\2, {_L2_POLICY};", ptx)
+    left = [ln.strip() for ln in ptx.splitlines()
+            if re.search(r"\b(ld\.global|cp\.async\.\w+\.shared\.global)\b", ln) and _L2_POLICY not in ln]
+    if left:
+        raise ValueError(f"ptx: expected every global load in a form this rewrite knows, got {left[:3]}")
+    if loads + copies == 0:
+        return ptx
+    return _at_entry_starts(ptx, f"\t.reg .b64 {_L2_POLICY};\n"
+                                 f"\tcreatepolicy.fractional.L2::evict_first.b64 {_L2_POLICY}, 1.0;\n")
 
 
 def ptx_entries(ptx: str) -> dict:
@@ -247,18 +279,22 @@ class StreamKernel:
     """A cuda module's `main`, launched on a given stream (see the module docstring)."""
 
     def __init__(self, name: str, vmfb: bytes, plan_text: str, driver: CudaDriver | None = None,
-                 dependent_launch: bool = False):
+                 dependent_launch: bool = False, l2_evict_first: bool = False):
         """dependent_launch: launch the kernels as programmatic dependent launches (sm_90 and
-        later: see `with_dependent_launch`)."""
+        later: see `with_dependent_launch`). l2_evict_first: their global loads carry an L2
+        evict-first policy (`with_l2_evict_first`: for kernels that read each byte once)."""
         self.name = name
         self.driver = driver or CudaDriver()
         self.dependent_launch = dependent_launch
-        ptx = ptx_of(vmfb)
-        text = ptx.decode()
+        self.l2_evict_first = l2_evict_first
+        text = ptx_of(vmfb).decode()
         self.entries = ptx_entries(text)
-        if dependent_launch:
-            ptx = with_dependent_launch(text).encode()
-        self.module, self.functions = self.driver.load(ptx, self.entries)
+        self.ptx = text
+        if l2_evict_first:
+            self.ptx = with_l2_evict_first(self.ptx)
+        if dependent_launch:  # after: its wait stays each entry's first instruction
+            self.ptx = with_dependent_launch(self.ptx)
+        self.module, self.functions = self.driver.load(self.ptx.encode(), self.entries)
         uses_shared = entries_using_shared(text)
         self.shared = {n: shared_bytes(vmfb, e[0]) if n in uses_shared else 0 for n, e in self.entries.items()}
         self.plan = DispatchPlan(plan_text)

@@ -100,12 +100,15 @@ class KernelLibrary:
     them through IREE's runtime, which runs them on its own stream and waits for them.
     dependent_launch (stream launches): launch each kernel as a programmatic dependent launch, its
     launch overlapping the previous kernel's tail; None (default): where the GPU has them (sm_90+).
+    l2_evict_first (stream launches): kernels that read each K/V page once (`spec.kv_read_once`:
+    decode with one query token a sequence) mark their global loads L2 evict-first
+    (msa_iree.launch.with_l2_evict_first); False launches the PTX as IREE wrote it.
     """
 
     _devices: dict[str, object] = {}
 
     def __init__(self, target: str = "host", build_dir=None, *, compile_missing=True, log=None,
-                 stream_launch: bool = True, dependent_launch: bool | None = None):
+                 stream_launch: bool = True, dependent_launch: bool | None = None, l2_evict_first: bool = True):
         self.target = check_target(target)
         self.driver = DRIVERS[target]
         self.build_dir = pathlib.Path(build_dir) if build_dir else None
@@ -116,6 +119,7 @@ class KernelLibrary:
         # stream launches as programmatic dependent launches (each kernel's launch overlaps the
         # tail of the kernel before it): None = where the GPU has them (sm_90 and later)
         self._dependent_launch_wanted = dependent_launch
+        self.l2_evict_first = l2_evict_first
         self._stream_kernels = {}
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.manifest = self._read_manifest() if self.build_dir else {"kernels": {}}
@@ -213,7 +217,8 @@ class KernelLibrary:
 
                 self._check_arch(spec)
                 vmfb, plan = (self._verified(e) for e in (entry, entry["launch_plan"]))
-                sk = StreamKernel(spec.name, vmfb, plan.decode(), dependent_launch=self.dependent_launch)
+                sk = StreamKernel(spec.name, vmfb, plan.decode(), dependent_launch=self.dependent_launch,
+                                  l2_evict_first=self.l2_evict_first and getattr(spec, "kv_read_once", False))
             self._stream_kernels[spec.name] = sk
         return sk
 

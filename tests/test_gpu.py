@@ -501,10 +501,13 @@ def _iree_call_library():
 @pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
 def test_stream_launch_writes_what_irees_call_writes(cuda_kernels, matrix, kv, prefill):
     """msa_iree.launch: the kernel launched on torch's stream from the build's launch plan gives
-    the same bytes as IREE's own call of it (output and workspace), at 16, 4, 2 and 1 splits."""
+    the same bytes as IREE's own call of it (output and workspace), at 16, 4, 2 and 1 splits;
+    decode at L=1 launched with its loads marked L2 evict-first (the PTX rewritten), prefill not."""
     decode_cls, prefill_cls = GPU_ATTEND[matrix, "cuda"]
     spec = (prefill_cls if prefill else decode_cls)(MsaConfig(kv_dtype=kv), 16)
-    assert cuda_kernels.stream_kernel(spec) is not None, "the build saved no launch plan for it"
+    sk = cuda_kernels.stream_kernel(spec)
+    assert sk is not None, "the build saved no launch plan for it"
+    assert sk.l2_evict_first == (not prefill) and ("%msa_l2_evict_first" in sk.ptx) == (not prefill)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(11)
     for batch in (5, 40, 100, 300):

@@ -5,6 +5,8 @@ themselves run on a GPU (tests/test_gpu.py compares them byte for byte with IREE
 import ctypes
 import json
 import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -13,17 +15,18 @@ from msa_iree import compile as C
 from msa_iree import kernels as K
 from msa_iree.config import MsaConfig
 from msa_iree.launch import (DispatchPlan, StreamKernel, entries_using_shared, ptx_entries, ptx_of, shared_bytes,
-                             with_dependent_launch)
+                             with_dependent_launch, with_l2_evict_first)
 
 MMA = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16)                      # 16 heads, 1 KV head
 FMA = K.SparseAttnDecodeGpuSpec(MsaConfig(num_heads=16, num_kv_heads=2), 8)          # 8 heads, 2 KV heads
 INSERT = K.InsertKvGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn", num_kv_heads=2), 16)       # writes the cache (operand 0)
+MMA_FP8 = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16)            # K/V staged by cp.async
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     out = tmp_path_factory.mktemp("cuda")
-    C.build(None, ["cuda"], out, specs=[MMA, FMA, INSERT], log=lambda m: None)
+    C.build(None, ["cuda"], out, specs=[MMA, FMA, INSERT, MMA_FP8], log=lambda m: None)
     return out, json.loads((out / "manifest.json").read_text())["kernels"]
 
 
@@ -214,3 +217,78 @@ def test_a_dependent_launch_waits_before_its_first_instruction(build):
         assert pdl.count("griddepcontrol.wait;") == len(ptx_entries(ptx))
         strip = lambda t: re.sub(r"^(\.version|\.target|[ \t]*griddepcontrol).*\n", "", t, flags=re.M)
         assert strip(pdl) == strip(ptx)
+
+
+def _first_instructions(ptx, name, n):
+    body = ptx[ptx.index(f".entry {name}("):]
+    body = body[body.index("{") + 1:]
+    return [ln.strip() for ln in body.splitlines() if ln.strip() and not ln.strip().startswith((".reg", "//"))][:n]
+
+
+GLOBAL_LOAD = re.compile(r"^\s*(ld\.global|cp\.async\.c[ag]\.shared\.global)\b.*$", re.M)
+
+
+@pytest.mark.parametrize("dependent", [False, True], ids=["launch", "dependent-launch"])
+def test_l2_evict_first_gives_every_global_load_the_policy(build, dependent):
+    """with_l2_evict_first: every global load (plain and non-coherent loads, cp.async copies) of
+    real kernels names the evict-first policy, which each entry makes ahead of its other
+    instructions (after the dependent launch's wait when both are applied, as StreamKernel
+    does); with the hints taken out, the PTX is the one IREE wrote."""
+    out, kernels = build
+    for spec in (MMA, FMA, MMA_FP8):
+        ptx = ptx_of((out / kernels[spec.name]["file"]).read_bytes()).decode()
+        hinted = with_l2_evict_first(ptx)
+        if dependent:
+            hinted = with_dependent_launch(hinted)
+        loads = GLOBAL_LOAD.findall(ptx)
+        assert loads and len(GLOBAL_LOAD.findall(hinted)) == len(loads)
+        for m in GLOBAL_LOAD.finditer(hinted):
+            assert ".L2::cache_hint" in m[0] and m[0].endswith(", %msa_l2_evict_first;"), (spec.name, m[0])
+        policy = "createpolicy.fractional.L2::evict_first.b64 %msa_l2_evict_first, 1.0;"
+        for name in ptx_entries(ptx):
+            head = ["griddepcontrol.wait;", policy] if dependent else [policy]
+            assert _first_instructions(hinted, name, len(head)) == head, (spec.name, name)
+        unhinted = re.sub(r"\.L2::cache_hint|, %msa_l2_evict_first(?=;)", "", hinted)
+        strip = lambda t: re.sub(r"^(\.version|\.target|[ \t]*griddepcontrol|[ \t]*createpolicy|[ \t]*\.reg \.b64 "
+                                 r"%msa_l2_evict_first).*\n", "", t, flags=re.M)
+        assert strip(unhinted) == strip(ptx)
+    assert "cp.async.ca.shared.global.L2::cache_hint" in with_l2_evict_first(
+        ptx_of((out / kernels[MMA_FP8.name]["file"]).read_bytes()).decode())
+
+
+def test_l2_evict_first_refuses_a_global_load_it_does_not_know():
+    """A load form the rewrite has no rule for (here one with an L1 eviction qualifier) would
+    stream through L2 unhinted: refused, naming the line."""
+    ptx = (".version 7.6\n.target sm_80\n.address_size 64\n\n.visible .entry k(\n\t.param .u64 k_param_0\n)\n"
+           ".maxntid 256, 1, 1\n{\n\t.reg .b32 %r<4>;\n\t.reg .b64 %rd<4>;\n\n"
+           "\tld.param.u64 %rd1, [k_param_0];\n\tld.global.L1::no_allocate.b32 %r1, [%rd1];\n\tret;\n}\n")
+    with pytest.raises(ValueError, match=r"ld\.global\.L1::no_allocate\.b32 %r1, \[%rd1\]"):
+        with_l2_evict_first(ptx)
+    plain = ptx.replace("ld.global.L1::no_allocate.b32", "ld.global.v2.f32").replace("%r1,", "{%r1, %r2},")
+    assert "\tld.global.L2::cache_hint.v2.f32 {%r1, %r2}, [%rd1], %msa_l2_evict_first;\n" in with_l2_evict_first(plain)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH: the driver's JIT "
+                    "checks the same PTX in the GPU tests")
+def test_ptxas_accepts_the_hinted_ptx_for_sm_90(build, tmp_path):
+    """What StreamKernel loads on an H200 (hints, then the dependent launch's wait) assembles for
+    sm_90 without errors."""
+    out, kernels = build
+    for spec in (MMA, FMA, MMA_FP8):
+        ptx = ptx_of((out / kernels[spec.name]["file"]).read_bytes()).decode()
+        path = tmp_path / f"{spec.name}.ptx"
+        path.write_text(with_dependent_launch(with_l2_evict_first(ptx)))
+        run = subprocess.run(["ptxas", "-arch=sm_90", str(path), "-o", str(tmp_path / "out.cubin")],
+                             capture_output=True, text=True)
+        assert run.returncode == 0, (spec.name, run.stderr)
+
+
+def test_only_decode_with_one_token_a_sequence_reads_each_page_once():
+    """kv_read_once, which turns the L2 hint on: decode attends at L=1 (every variant), not at
+    L > 1 or in prefill, where rows of one request read the same pages."""
+    cfg = MsaConfig(kv_dtype="fp8_e4m3fn")
+    for cls in (K.SparseAttnDecodeGpuSpec, K.SparseAttnDecodeMmaSpec, K.SparseAttnDecodeMfmaSpec):
+        assert cls(cfg, 16).kv_read_once
+        assert not cls(cfg.replace(decode_query_len=4), 16).kv_read_once
+    for cls in (K.SparseAttnPrefillGpuSpec, K.SparseAttnPrefillMmaSpec, K.SparseAttnPrefillMfmaSpec):
+        assert not cls(cfg, 16).kv_read_once

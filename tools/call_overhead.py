@@ -20,7 +20,7 @@ import time
 import torch
 import torch.utils.dlpack
 
-from msa_iree.bench import (DEPENDENT_LAUNCH, Flushes, _decode_setup, add_dependent_launch_arg, capture_step,
+from msa_iree.bench import (Flushes, _decode_setup, add_launch_args, capture_step, launch_options,
                             decode_module_operands, serving_step_calls, wall_us)
 from msa_iree.layout import num_cache_blocks
 from msa_iree.runtime import KernelLibrary, MetadataBuilder, insert_kv
@@ -90,12 +90,12 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-dtype", default="bf16")
-    add_dependent_launch_arg(p)
+    add_launch_args(p)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile N forward (and insert_kv) calls (cProfile): the 20 costliest functions")
     a = p.parse_args()
     dev = torch.device("cuda")
-    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, dependent_launch=DEPENDENT_LAUNCH[a.dependent_launch])
+    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, **launch_options(a))
     c, attn, out, fwd = _decode_setup(lib, dev, a.batch, 4096, 1, a.heads, a.kv_dtype, rotations=1)
     fwd()
     spec, inputs, ws = decode_module_operands(attn, c)

@@ -89,12 +89,12 @@ def main():
     p.add_argument("--stop-after-second", action="store_true", help="only the first two levels")
     p.add_argument("--carve", type=int, default=0, metavar="GIB",
                    help="every case's KV cache carved out of one allocation of GIB made first")
-    bench.add_dependent_launch_arg(p)
+    bench.add_launch_args(p)
     a = p.parse_args()
     if a.carve:
         bench.allocate_kv_cache = carve_caches(torch.empty(a.carve << 30, dtype=torch.uint8, device="cuda"))
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False,
-                        dependent_launch=bench.DEPENDENT_LAUNCH[a.dependent_launch])
+                        **bench.launch_options(a))
     dev = torch.device("cuda")
     flushes = bench.Flushes(dev)
     pool = torch.cuda.graph_pool_handle() if a.shared_pool else None

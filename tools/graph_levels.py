@@ -69,9 +69,9 @@ def main():
                    help="first allocate, write and free this many GiB in 1 GiB tensors (kept by torch's "
                         "caching allocator, as a bench run's earlier cases leave them): does the level follow?")
     p.add_argument("--empty-cache", action="store_true", help="... then return them to the driver")
-    bench.add_dependent_launch_arg(p)
+    bench.add_launch_args(p)
     a = p.parse_args()
-    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, dependent_launch=bench.DEPENDENT_LAUNCH[a.dependent_launch])
+    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, **bench.launch_options(a))
     dev = torch.device("cuda")
     if a.preallocate:
         bench.write_and_free(dev, int(a.preallocate))  # freed into torch's cache, not to the driver

@@ -66,13 +66,13 @@ def main():
                    help="also a graph of 4 x 57 forwards: a replay's fixed cost (launch to first kernel, last "
                         "kernel to sync) from the two per-forward times")
     p.add_argument("--profile", action="store_true", help="also each replay's kernel durations and gaps (CUPTI)")
-    bench.add_dependent_launch_arg(p)
+    bench.add_launch_args(p)
     a = p.parse_args()
     unknown = [name for name in a.actions.split(",") if name not in ACTIONS]
     if unknown:
         p.error(f"--actions: expected some of {', '.join(ACTIONS)}, got {', '.join(map(repr, unknown))}")
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False,
-                        dependent_launch=bench.DEPENDENT_LAUNCH[a.dependent_launch])
+                        **bench.launch_options(a))
     dev = torch.device("cuda")
     if a.history:  # `msa-iree bench --matrix auto --prefill --iters 20`'s bf16 pass, its defaults
         for _ in bench.dtype_rows(lib, dev, "bf16", (16, 8), (1, 4), (4096, 32768, 131072), (8, 32, 64, 128), 20,
