@@ -252,8 +252,8 @@ def test_l2_evict_first_gives_every_global_load_the_policy(build, dependent):
         strip = lambda t: re.sub(r"^(\.version|\.target|[ \t]*griddepcontrol|[ \t]*createpolicy|[ \t]*\.reg \.b64 "
                                  r"%msa_l2_evict_first).*\n", "", t, flags=re.M)
         assert strip(unhinted) == strip(ptx)
-    assert "cp.async.ca.shared.global.L2::cache_hint" in with_l2_evict_first(
-        ptx_of((out / kernels[MMA_FP8.name]["file"]).read_bytes()).decode())
+        if spec is MMA_FP8:  # the copies' form is covered, not only the loads'
+            assert "cp.async.ca.shared.global.L2::cache_hint" in hinted
 
 
 def test_l2_evict_first_refuses_a_global_load_it_does_not_know():
