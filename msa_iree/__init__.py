@@ -1,9 +1,6 @@
 """msa-iree: MiniMax-M3 block-sparse attention (MSA) as IREE-compiled kernels."""
-import pathlib
 
 __version__ = "0.1.0"
-# the hand-written MLIR templates (rendered by kernels.py, part of compile.py's source digest)
-KERNELS_MLIR = pathlib.Path(__file__).resolve().parent.parent / "kernels_mlir"
 __all__ = ["MsaConfig", "__version__"]
 
 

@@ -117,15 +117,6 @@ def main(argv=None):
     q = sub.add_parser("quickstart", help="compile for gfx942, run one decode step on the host vs the reference")
     q.add_argument("--out", default=None, help="gfx942 build directory (default build/gfx942)")
     q.set_defaults(fn=cmd_quickstart)
-    b = sub.add_parser("bench", help="the ANCHORS benchmark protocol on a GPU build (see msa_iree/bench.py)",
-                       add_help=False)
-    b.set_defaults(fn=None)
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["bench"]:
-        from .bench import main as bench_main
-
-        return bench_main(argv[1:])
     args = p.parse_args(argv)
     return args.fn(args) or 0
 

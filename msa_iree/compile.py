@@ -12,11 +12,12 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import tempfile
 import time
 from importlib import metadata
 
-from . import KERNELS_MLIR, __version__
+from . import __version__
 
 TARGETS: dict[str, list[str]] = {
     "host": ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
@@ -30,7 +31,8 @@ DRIVERS = {"host": "local-task", "gfx942": "hip", "cuda": "cuda"}
 VERIFIED_ON = {"host": "tested on the host CPU by the test suite",
                "cuda": "runs on NVIDIA GPUs (sm_80 PTX, JIT on newer; the e4m3fn mma attend sm_89+); benchmarked on an H200",
                "gfx942": "compiled and inspected only: no AMD GPU was available to run it"}
-_SOURCES = ("kernels.py", "layout.py", "config.py", "compile.py")
+# what a compiled module depends on besides its spec: the kernels (ops/, its templates) and the modules they read
+_SOURCES = ("ops/*.py", "ops/templates/*.j2", "layout.py", "config.py", "compile.py")
 
 
 class CompileError(RuntimeError):
@@ -59,11 +61,13 @@ def cache_dir() -> pathlib.Path:
 @functools.cache
 def _source_digest() -> str:
     here = pathlib.Path(__file__).parent
+    files = sorted(f for pattern in _SOURCES for f in here.glob(pattern))
+    if not any(f.suffix == ".j2" for f in files):
+        raise CompileError(f"{here / 'ops' / 'templates'}: expected the kernel templates (package data), found none; "
+                           "this installation of msa-iree is incomplete")
     h = hashlib.sha256()
-    for name in _SOURCES:
-        h.update((here / name).read_bytes())
-    for template in sorted(KERNELS_MLIR.glob("*.j2")):
-        h.update(template.read_bytes())
+    for f in files:
+        h.update(f.relative_to(here).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
@@ -120,32 +124,48 @@ def _atomic_write(path: pathlib.Path, data: bytes):
 def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=None, key=None):
     """(vmfb bytes, content key, cache_hit) through the shared content-addressed cache.
 
-    isa_dir: also dump the executables' target files (gfx942 .rocmasm) there (forces a compile).
-    key: content_key(spec, target, extra_flags), when the caller has it already.
+    mlir_dir: also write the kernel's MLIR there. isa_dir: also put the executables' dumped files
+    there (sources, .ll, .rocmasm / .ptx, binaries), cached beside the vmfb like it, so that a build
+    into any output directory reuses both. key: content_key(spec, target, extra_flags), when the
+    caller has it already.
     """
+    import shutil
+
     supported = getattr(spec, "targets", None)
     if supported is not None and target not in supported:
         raise CompileError(f"{spec.name}: expected a target in {list(supported)}, got {target!r} "
                            "(a GPU-level kernel: llvm-cpu cannot lower gpu.thread_id)")
     key = key or content_key(spec, target, extra_flags)
-    cached = cache_dir() / target / f"{spec.name}.{key[:16]}.vmfb"
-    if cached.exists() and mlir_dir is None and isa_dir is None:
-        return cached.read_bytes(), key, True
-    mlir = export_mlir(spec)
-    if mlir_dir is not None:
+    stem = cache_dir() / target / f"{spec.name}.{key[:16]}"
+    cached, cached_isa = pathlib.Path(f"{stem}.vmfb"), pathlib.Path(f"{stem}.isa")
+    mlir = export_mlir(spec) if mlir_dir is not None else None
+    if mlir is not None:
         _atomic_write(pathlib.Path(mlir_dir) / f"{spec.name}.mlir", mlir.encode())
-    dump = []
+    hit = cached.exists() and (isa_dir is None or cached_isa.is_dir())
+    if hit:
+        vmfb = cached.read_bytes()
+    else:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        dump, fresh_isa = [], None
+        if isa_dir is not None:
+            fresh_isa = tempfile.mkdtemp(dir=cached.parent, prefix=".isa.")
+            # sources, intermediates (.ll, .rocmasm, .ptx) and binaries; not the meta flag
+            # (--iree-hal-dump-executable-files-to), which also asks for benchmarks and makes IREE
+            # print a remark for every hand-written executable it cannot make one of
+            dump = [f"--iree-hal-dump-executable-{what}-to={fresh_isa}" for what in ("sources", "intermediates", "binaries")]
+        try:
+            vmfb = compile_mlir(mlir or export_mlir(spec), target, spec.target_flags(target) + list(extra_flags) + dump)
+            if fresh_isa is not None:
+                shutil.rmtree(cached_isa, ignore_errors=True)
+                os.replace(fresh_isa, cached_isa)
+        finally:
+            if fresh_isa is not None:
+                shutil.rmtree(fresh_isa, ignore_errors=True)
+        _atomic_write(cached, vmfb)
     if isa_dir is not None:
-        import shutil
-
         shutil.rmtree(isa_dir, ignore_errors=True)
-        # sources, intermediates (.ll, .rocmasm, .ptx) and binaries; not the meta flag
-        # (--iree-hal-dump-executable-files-to), which also asks for benchmarks and makes IREE print
-        # a remark for every hand-written executable it cannot make one of
-        dump = [f"--iree-hal-dump-executable-{what}-to={isa_dir}" for what in ("sources", "intermediates", "binaries")]
-    vmfb = compile_mlir(mlir, target, spec.target_flags(target) + list(extra_flags) + dump)
-    _atomic_write(cached, vmfb)
-    return vmfb, key, False
+        shutil.copytree(cached_isa, isa_dir)
+    return vmfb, key, hit
 
 
 def launch_plan(spec, target: str, extra_flags=(), key=None):
@@ -154,8 +174,6 @@ def launch_plan(spec, target: str, extra_flags=(), key=None):
     else None. key: as compiled_module's."""
     if not _launchable(spec, target):
         return None
-    from .launch import hal_main
-
     key = key or content_key(spec, target, extra_flags)
     cached = cache_dir() / target / f"{spec.name}.{key[:16]}.main-hal.mlir"
     if cached.exists():
@@ -164,6 +182,14 @@ def launch_plan(spec, target: str, extra_flags=(), key=None):
     main = hal_main(text.decode() if isinstance(text, bytes) else text)
     _atomic_write(cached, main.encode())
     return main
+
+
+def hal_main(hal_text: str) -> str:
+    """`main` of a module compiled with `--compile-to=hal` (what the build saves)."""
+    m = re.search(r"^  util\.func public @main\(.*?^  \}", hal_text, re.S | re.M)
+    if m is None:
+        raise ValueError("hal_text: expected a module with `util.func public @main`, got none")
+    return re.sub(r"\s+loc\(.*$", "", m.group(0), flags=re.M)
 
 
 def _launchable(spec, target: str) -> bool:
@@ -198,7 +224,7 @@ def build(cfg, targets, out_root=None, *, strides=(16, 8), decode_query_lens=(1,
         old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
         old_kernels = old.get("kernels", {})
         kernels = {}
-        from .kernels import kernel_set
+        from .ops import kernel_set
 
         todo = specs if specs is not None else kernel_set(cfg, strides, decode_query_lens, target)
         for i, spec in enumerate(todo, 1):

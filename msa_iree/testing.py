@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from .layout import BLOCK_SIZE, HEAD_DIM, LAYOUT_STRIDES, is_fp8, pack_kv_cache, quantize_fp8
+from .layout import BLOCK_SIZE, HEAD_DIM, is_fp8, pack_kv_cache, quantize_fp8
 from .reference import decode_token_positions, query_token_positions
 
 
@@ -130,67 +130,3 @@ def prefill_case(query_lens, prefix_lens, *, num_heads=16, num_kv_heads=1, kv_dt
     tk = _topk_for(gen, pos.tolist(), num_kv_heads, topk, keep_own_prob)
     return Case(q, kc, vc, k, v, tk, bt, torch.tensor(seq_lens, dtype=torch.int32), req, pos, ks, vs,
                 HEAD_DIM ** -0.5, num_kv_heads, cu_seqlens_q=cu, prefix_lens=prefix)
-
-
-# ---- the kernel variants the GPU tests run (tests/test_gpu.py; built by tools/build_gpu_tests.py) ----
-
-# (num_heads, num_kv_heads, kv dtype, query dtype, decode L, block page stride, fp8 scale mode)
-GPU_DECODE_CASES = (
-    (16, 1, "bf16", "bf16", 1, 16, "tensor"),
-    (16, 1, "fp8_e4m3fn", "bf16", 1, 16, "token"),
-    (16, 1, "fp8_e4m3fnuz", "bf16", 4, 8, "tensor"),
-    (8, 1, "fp8_e4m3fn", "bf16", 1, 16, "tensor"),
-    (16, 2, "bf16", "bf16", 2, 16, "tensor"),
-    (16, 1, "fp16", "fp16", 3, 8, "tensor"),
-    (8, 1, "fp8_e4m3fnuz", "bf16", 1, 16, "token"),  # gfx942's fp8 (its MFMA attend converts it in hardware)
-)
-# serving simulations through SparseAttention on the GPU: (kv dtype, query dtype, layout, kv heads, scale mode)
-GPU_SERVING_CASES = (
-    ("bf16", "bf16", "interleaved", 1, "tensor"),
-    ("fp8_e4m3fn", "bf16", "planes", 1, "token"),
-    ("fp8_e4m3fn", "bf16", "interleaved", 2, "tensor"),  # a scalar scale expanded over 2 KV heads
-    ("fp8_e4m3fnuz", "bf16", "interleaved", 2, "token"),  # gfx942's fp8, per-token scales over 2 KV heads
-)
-
-
-# the in-place GPU insert: (kv dtype, key dtype, layout, kv heads)
-GPU_INSERT_CASES = (
-    ("fp8_e4m3fn", "bf16", "interleaved", 1),
-    ("fp8_e4m3fnuz", "bf16", "planes", 2),
-    ("bf16", "bf16", "planes", 1),
-    ("fp16", "bf16", "interleaved", 2),
-)
-
-
-def gpu_test_specs():
-    """Every compiled kernel tests/test_gpu.py calls, for `cuda`."""
-    from .config import MsaConfig
-    from .kernels import (InsertKvGpuSpec, RebaseBlockTableSpec, SparseAttnDecodeGpuSpec,
-                          SparseAttnDecodeMfmaEmulatedSpec as Mfma, SparseAttnDecodeMmaSpec,
-                          SparseAttnDecodeMmaTraceSpec, SparseAttnPrefillGpuSpec,
-                          SparseAttnPrefillMfmaEmulatedSpec as MfmaPrefill, SparseAttnPrefillMmaSpec)
-
-    specs = [RebaseBlockTableSpec(MsaConfig())]
-    for hq, h, kv, qd, L, stride, _ in GPU_DECODE_CASES:
-        cfg = MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd, decode_query_len=L)
-        specs += [SparseAttnDecodeGpuSpec(cfg, stride), SparseAttnPrefillGpuSpec(cfg.replace(decode_query_len=1), stride)]
-        if SparseAttnDecodeMmaSpec.supports(cfg):
-            specs += [SparseAttnDecodeMmaSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg.replace(decode_query_len=1), stride)]
-        if Mfma.supports(cfg):
-            specs += [Mfma(cfg, stride), MfmaPrefill(cfg.replace(decode_query_len=1), stride)]
-    for kv, qd, layout, h, _ in GPU_SERVING_CASES:
-        stride = LAYOUT_STRIDES[layout]
-        cfg = MsaConfig(num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
-        specs += [SparseAttnPrefillGpuSpec(cfg, stride), InsertKvGpuSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg, stride)]
-        specs += [cls(cfg.replace(decode_query_len=L), stride) for L in (1, 4)
-                  for cls in (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec)]
-        specs += [MfmaPrefill(cfg, stride)] + [Mfma(cfg.replace(decode_query_len=L), stride) for L in (1, 4)]
-    for kv, qd, layout, h in GPU_INSERT_CASES:
-        cfg = MsaConfig(num_heads=8 * h, num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
-        specs.append(InsertKvGpuSpec(cfg, LAYOUT_STRIDES[layout]))
-    for kv in ("fp8_e4m3fn", "fp8_e4m3fnuz"):  # the NaN-code tests: decode L=1, interleaved
-        specs += [cls(MsaConfig(kv_dtype=kv), 16) for cls in (SparseAttnDecodeGpuSpec, SparseAttnDecodeMmaSpec, Mfma)]
-    specs += [cls(MsaConfig(), 16) for cls in (SparseAttnDecodeMmaSpec, Mfma)]  # workspace, NaN-tail tests (bf16)
-    # the clock-stamped mma attend (tools/trace_phases.py; its test checks the stamps and the output)
-    specs += [SparseAttnDecodeMmaTraceSpec(MsaConfig(kv_dtype=kv), 16) for kv in ("bf16", "fp8_e4m3fn")]
-    return list({s.name: s for s in specs}.values())

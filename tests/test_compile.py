@@ -8,7 +8,7 @@ import time
 import pytest
 
 from msa_iree import compile as C
-from msa_iree import kernels as K
+from msa_iree import ops as K
 from msa_iree.cli import main
 from msa_iree.config import MsaConfig
 from msa_iree.inspect import kernel_report

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from msa_iree.compile import compile_mlir
-from msa_iree.kernels import _template_env
+from msa_iree.ops.spec import _template_env
 
 def _harness(body: str) -> str:
     """A host function mapping i32 words to two i32 results; `body` decodes %x and yields them."""

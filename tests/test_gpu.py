@@ -14,8 +14,10 @@ import torch
 from msa_iree import reference as R
 from msa_iree import testing
 from msa_iree.config import DTYPES, MsaConfig
-from msa_iree.kernels import GPU_ATTEND, SparseAttnDecodeGpuSpec, storage_dtype
-from msa_iree.runtime import module_scale
+import gpu_cases
+from msa_iree.ops import GPU_ATTEND, SparseAttnDecodeFmaSpec
+from msa_iree.ops.fp8 import storage_dtype
+from msa_iree.runtime.library import module_scale
 
 pytestmark = pytest.mark.gpu
 BUILD = pathlib.Path(os.environ.get("MSA_IREE_CUDA_BUILD", pathlib.Path(__file__).resolve().parent.parent / "build" / "cuda-tests"))
@@ -85,7 +87,7 @@ def _variants(prefill):
     the tensor-core (mma) kernel CUDA serves with and gfx942's MFMA kernel with its MFMAs emulated
     (its numerics, proven here)."""
     out = []
-    for c in testing.GPU_DECODE_CASES:
+    for c in gpu_cases.GPU_DECODE_CASES:
         cfg = MsaConfig(num_heads=c[0], num_kv_heads=c[1], kv_dtype=c[2], query_dtype=c[3])
         for name in ("fma", "mma", "mfma"):
             decode, prefill_cls = GPU_ATTEND[name, "cuda"]
@@ -153,7 +155,7 @@ def test_output_is_written_in_place(cuda_kernels):
     """The GPU attend writes into the caller's tensor (iree.abi.output over a DLPack import): the
     same memory, and rows outside the slice it was given stay untouched."""
     c = testing.decode_case([300, 2049], seed=3)
-    spec = SparseAttnDecodeGpuSpec(MsaConfig(), 16)
+    spec = SparseAttnDecodeFmaSpec(MsaConfig(), 16)
     dev = torch.device("cuda")
     args = _module_operands(c, c.seq_lens)
     big = torch.full((4, 16, 128), 7.0, dtype=torch.bfloat16, device=dev)
@@ -220,7 +222,7 @@ def test_fp8_nan_codes_propagate_as_in_the_reference(cuda_kernels, kv, matrix):
 def test_a_short_workspace_is_refused(cuda_kernels):
     """The module checks the workspace it is given before any dispatch writes into it."""
     c = testing.decode_case([300, 2049], seed=3)
-    spec = SparseAttnDecodeGpuSpec(MsaConfig(), 16)
+    spec = SparseAttnDecodeFmaSpec(MsaConfig(), 16)
     dev = torch.device("cuda")
     args = _module_operands(c, c.seq_lens)
     out = torch.empty_like(c.q, device=dev)
@@ -232,7 +234,7 @@ def test_a_short_workspace_is_refused(cuda_kernels):
 
 def test_results_come_back_on_the_gpu(cuda_kernels):
     """A module that allocates its result (the page-16 rebase) returns a torch GPU tensor."""
-    from msa_iree.kernels import RebaseBlockTableSpec
+    from msa_iree.ops import RebaseBlockTableSpec
 
     bt = torch.randint(-1, 1000, (5, 9), dtype=torch.int32, device="cuda")
     (got,) = cuda_kernels.run(RebaseBlockTableSpec(MsaConfig()), bt, out_dtypes=[torch.int32])
@@ -240,7 +242,7 @@ def test_results_come_back_on_the_gpu(cuda_kernels):
     assert torch.equal(got, R.rebase_block_table_to_page16(bt))
 
 
-@pytest.mark.parametrize("kv, qd, layout, h, smode", testing.GPU_SERVING_CASES)
+@pytest.mark.parametrize("kv, qd, layout, h, smode", gpu_cases.GPU_SERVING_CASES)
 @pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
 def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode, matrix):
     from serving import Server
@@ -254,7 +256,7 @@ def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode, matri
     assert s.k_cache.device.type == "cuda"
 
 
-INSERT_CASES = [(*c, m) for c in testing.GPU_INSERT_CASES for m in (("tensor", "token") if "fp8" in c[0] else ("none",))]
+INSERT_CASES = [(*c, m) for c in gpu_cases.GPU_INSERT_CASES for m in (("tensor", "token") if "fp8" in c[0] else ("none",))]
 
 
 @pytest.mark.parametrize("kv, kd, layout, h, smode", INSERT_CASES)
@@ -444,7 +446,7 @@ def test_trace_stamps_are_ordered_and_change_no_output_byte(cuda_kernels, kv):
     entry valid) in a NaN-poisoned workspace. Each workgroup's stamps come in program order (a stamp
     not written, or written elsewhere, breaks the order), and the output is bit for bit the
     serving kernel's."""
-    from msa_iree.kernels import SparseAttnDecodeMmaSpec, SparseAttnDecodeMmaTraceSpec
+    from msa_iree.ops import SparseAttnDecodeMmaSpec, SparseAttnDecodeMmaTraceSpec
 
     cfg = MsaConfig(kv_dtype=kv)
     plain, traced = SparseAttnDecodeMmaSpec(cfg, 16), SparseAttnDecodeMmaTraceSpec(cfg, 16)
@@ -500,7 +502,7 @@ def _iree_call_library():
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
 @pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
 def test_stream_launch_writes_what_irees_call_writes(cuda_kernels, matrix, kv, prefill):
-    """msa_iree.launch: the kernel launched on torch's stream from the build's launch plan gives
+    """msa_iree.runtime.cuda_launch: the kernel launched on torch's stream from the build's launch plan gives
     the same bytes as IREE's own call of it (output and workspace), at 16, 4, 2 and 1 splits;
     decode at L=1 launched with its loads marked L2 evict-first (the PTX rewritten), prefill not."""
     decode_cls, prefill_cls = GPU_ATTEND[matrix, "cuda"]
@@ -596,7 +598,7 @@ def test_a_later_call_of_a_step_sees_a_scale_changed_in_place(cuda_kernels):
 def test_forward_is_captured_by_a_cuda_graph(cuda_kernels, kv):
     """vLLM replays decode steps from CUDA graphs. A forward launched on torch's stream is captured
     like a torch op: replays with new query values in the same buffer match the reference."""
-    from msa_iree.bench import _decode_setup
+    from benchmarks.bench import _decode_setup
 
     dev = torch.device("cuda")
     c, attn, out, fwd = _decode_setup(cuda_kernels, dev, 8, 4096, 1, 16, kv, rotations=1)
@@ -622,7 +624,7 @@ def test_later_calls_of_a_step_are_checked_and_attend(cuda_kernels, kv):
     caches go through the binding (only the query, output and top-k are checked per call, then
     launched): each result is the reference's, another layer's caches rebind, and a query, output
     or top-k the binding was not made for takes the checked path and is refused by name."""
-    from msa_iree.bench import _decode_metadata, _decode_setup
+    from benchmarks.bench import _decode_metadata, _decode_setup
     from msa_iree.layout import allocate_kv_cache
 
     dev = torch.device("cuda")
@@ -663,7 +665,7 @@ def test_dependent_launches_read_what_the_kernel_before_wrote(cuda_kernels):
     finished: each must wait for it before reading. Six layers chained with nothing between them,
     each layer's query the previous layer's output buffer (NaN until that layer's @merge writes
     it), and all sharing one workspace: every layer's output is the reference's for its query."""
-    from msa_iree.bench import _decode_metadata, _decode_setup
+    from benchmarks.bench import _decode_metadata, _decode_setup
 
     if not cuda_kernels.dependent_launch:
         pytest.skip("this GPU has no programmatic dependent launch (sm_90+): stream order alone applies")
@@ -687,7 +689,7 @@ def test_the_gpu_insert_skips_padding_and_slots_past_the_cache(cuda_kernels, lay
     """The GPU writer itself skips a token whose slot is -1 (padding) or past the cache's last
     block (which the builder refuses before; the writer must not clamp it onto the last page):
     every other byte of the cache stays as it was."""
-    from msa_iree.kernels import InsertKvGpuSpec
+    from msa_iree.ops import InsertKvGpuSpec
     from msa_iree.layout import allocate_kv_cache
 
     g = torch.Generator().manual_seed(9)
@@ -775,7 +777,7 @@ def test_a_decode_step_with_its_inserts_is_captured(cuda_kernels, kv):
     once in a CUDA graph. The builder (knowing the cache's size) checked the slots and keeps them
     at one address, so insert_kv does not sync; a later step's new slots (one token now padding),
     keys, values and queries, written into the same buffers, are what the replay uses."""
-    from msa_iree.bench import _decode_setup
+    from benchmarks.bench import _decode_setup
     from msa_iree.layout import allocate_kv_cache
     from msa_iree.runtime import MetadataBuilder, insert_kv
 

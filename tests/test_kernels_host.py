@@ -7,7 +7,8 @@ own fp8 cast produces.
 import pytest
 import torch
 
-from msa_iree import kernels as K
+from msa_iree import ops as K
+from msa_iree.ops import fp8
 from msa_iree import layout as L
 from msa_iree import reference as R
 from msa_iree import testing
@@ -82,13 +83,13 @@ def cfg_for(c, kv_dtype, q_dtype, L=1):
 
 
 def scales2d(s, h):
-    from msa_iree.runtime import module_scale
+    from msa_iree.runtime.library import module_scale
 
     return module_scale(s, h)
 
 
 def folded(cache):
-    return cache.reshape(-1, *cache.shape[2:]).view(K.storage_dtype(cache.dtype))
+    return cache.reshape(-1, *cache.shape[2:]).view(fp8.storage_dtype(cache.dtype))
 
 
 def assert_attend_close(got, ref_out):
@@ -188,12 +189,12 @@ def test_fp8_encode_matches_torch_cast(dtype):
     g = torch.Generator().manual_seed(13)
     fmax = torch.finfo(dtype).max
     x = torch.cat([torch.randn(20000, generator=g) * 30, torch.randn(2000, generator=g) * 1e-3,
-                   K.fp8_decode_table(dtype)[:127].nan_to_num(0),                      # every code exactly
-                   K.fp8_rounding_midpoints(dtype), -K.fp8_rounding_midpoints(dtype),  # ties to even
+                   fp8.fp8_decode_table(dtype)[:127].nan_to_num(0),                      # every code exactly
+                   fp8.fp8_rounding_midpoints(dtype), -fp8.fp8_rounding_midpoints(dtype),  # ties to even
                    torch.tensor([fmax * 3, -fmax * 3, 0.0])])
     want = x.clamp(-fmax, fmax).to(dtype).view(torch.uint8)
-    assert torch.equal(K.encode_fp8(x, dtype), want)
-    assert torch.equal(K.decode_fp8(want, dtype), want.view(dtype).float())
+    assert torch.equal(fp8.encode_fp8(x, dtype), want)
+    assert torch.equal(fp8.decode_fp8(want, dtype), want.view(dtype).float())
 
 
 INSERT = [(BF16, BF16, "interleaved", "tensor"), (F16, F16, "planes", "tensor"),

@@ -1,4 +1,4 @@
-"""msa_iree.launch on the CPU machine: the launch plan a cuda build saves, interpreted for given
+"""msa_iree.runtime.cuda_launch on the CPU machine: the launch plan a cuda build saves, interpreted for given
 operand shapes, gives the grids the template's split rule implies, passes as many bindings and
 constants as the PTX takes, and refuses what IREE's own call would refuse. The launches
 themselves run on a GPU (tests/test_gpu.py compares them byte for byte with IREE's call)."""
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from msa_iree import compile as C
-from msa_iree import kernels as K
+from msa_iree import ops as K
 from msa_iree.config import MsaConfig
-from msa_iree.launch import (DispatchPlan, StreamKernel, entries_using_shared, ptx_entries, ptx_of, shared_bytes,
+from msa_iree.runtime.cuda_launch import (DispatchPlan, StreamKernel, entries_using_shared, ptx_entries, ptx_of, shared_bytes,
                              with_dependent_launch, with_l2_evict_first)
 
 MMA = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16)                      # 16 heads, 1 KV head
-FMA = K.SparseAttnDecodeGpuSpec(MsaConfig(num_heads=16, num_kv_heads=2), 8)          # 8 heads, 2 KV heads
+FMA = K.SparseAttnDecodeFmaSpec(MsaConfig(num_heads=16, num_kv_heads=2), 8)          # 8 heads, 2 KV heads
 INSERT = K.InsertKvGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn", num_kv_heads=2), 16)       # writes the cache (operand 0)
 MMA_FP8 = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16)            # K/V staged by cp.async
 
@@ -46,27 +46,28 @@ def _operands(spec, tokens, workspace=None):
     return shapes, dtypes
 
 
-def _splits(rows):
-    """The template's rule: 16 splits up to 16 rows, halving per doubling, 1 from 129 rows."""
-    for limit, n in ((16, 16), (32, 8), (64, 4), (128, 2)):
-        if rows <= limit:
-            return n
-    return 1
-
-
 @pytest.mark.parametrize("tokens", [1, 16, 17, 40, 64, 65, 128, 300])
-def test_grids_follow_the_split_rule(build, tokens):
+def test_grids_follow_the_tuning_tables_split_rule(build, tokens):
+    """The grid IREE's lowering of the rendered template computes is the split count the tuning
+    table gives (ops/tuning.py; spec.splits reads it), at and around each of its row limits."""
     rows = tokens  # the mma spec: one KV head
     dispatches = _plan(build, MMA).evaluate(*_operands(MMA, tokens))
     assert [d[0] for d in dispatches] == ["split", "merge"]
-    assert dispatches[0][1] == [_splits(rows), rows, 1]
-    n = _splits(rows)
-    # @merge: one empty workgroup with one split, a workgroup per row with 2, two (MMA.merge_row_parts)
-    # with 4, per (row, head pair) above
-    assert dispatches[1][1] == ([1, 1, 1] if n == 1 else [rows, 1, 1] if n == 2 else [rows, 2, 1] if n == 4
-                                else [rows, 8, 1])
+    n = MMA.splits(rows)
+    assert dispatches[0][1] == [n, rows, 1]
+    # @merge: one empty workgroup with one split, a workgroup per row up to merge_rows_splits,
+    # merge_row_parts of them at exactly merge_rows_splits, per (row, head pair) above
+    t = MMA.tuning
+    assert dispatches[1][1] == ([1, 1, 1] if n == 1 else [rows, 1, 1] if n < t.merge_rows_splits
+                                else [rows, t.merge_row_parts, 1] if n == t.merge_rows_splits else [rows, 8, 1])
     fma = _plan(build, FMA).evaluate(*_operands(FMA, tokens))
-    assert fma[0][1] == [_splits(2 * tokens), 2 * tokens, 1] and fma[1][1] == [2 * tokens, 8, 1]
+    assert fma[0][1] == [FMA.splits(2 * tokens), 2 * tokens, 1] and fma[1][1] == [2 * tokens, 8, 1]
+
+
+def test_the_default_split_rule_by_hand():
+    """The documented default (a hand-worked reading of ops/tuning.py's SPLITS): a batch of 8
+    decode rows fills the GPU with 16 workgroups a row, a batch of 300 takes one."""
+    assert [MMA.splits(r) for r in (8, 16, 17, 40, 100, 300)] == [16, 16, 8, 4, 2, 1]
 
 
 def test_plans_pass_what_the_ptx_takes(build):
@@ -82,9 +83,9 @@ def test_plans_pass_what_the_ptx_takes(build):
             assert all(0 <= k < 11 for k, _ in bindings)
     # the mma split's LDS: row maxima 16 x 8 f32, P fragments 8 x 32 x 4 i32, the block table 16
     # index + 16 i32 (kernels_mlir/mma_split.j2, the template's TB/TK), the staged block-table row
-    # (MMA.bt_preload i32)
+    # (the tuning's bt_preload i32)
     vmfb = (out / kernels[MMA.name]["file"]).read_bytes()
-    assert shared_bytes(vmfb, (256, 1, 1)) == 16 * 8 * 4 + 8 * 32 * 4 * 4 + 16 * 8 + 16 * 4 + MMA.bt_preload * 4
+    assert shared_bytes(vmfb, (256, 1, 1)) == 16 * 8 * 4 + 8 * 32 * 4 * 4 + 16 * 8 + 16 * 4 + MMA.tuning.bt_preload * 4
 
 
 def test_only_kernels_that_touch_shared_memory_get_it(build):
@@ -287,8 +288,8 @@ def test_only_decode_with_one_token_a_sequence_reads_each_page_once():
     """kv_read_once, which turns the L2 hint on: decode attends at L=1 (every variant), not at
     L > 1 or in prefill, where rows of one request read the same pages."""
     cfg = MsaConfig(kv_dtype="fp8_e4m3fn")
-    for cls in (K.SparseAttnDecodeGpuSpec, K.SparseAttnDecodeMmaSpec, K.SparseAttnDecodeMfmaSpec):
+    for cls in (K.SparseAttnDecodeFmaSpec, K.SparseAttnDecodeMmaSpec, K.SparseAttnDecodeMfmaSpec):
         assert cls(cfg, 16).kv_read_once
         assert not cls(cfg.replace(decode_query_len=4), 16).kv_read_once
-    for cls in (K.SparseAttnPrefillGpuSpec, K.SparseAttnPrefillMmaSpec, K.SparseAttnPrefillMfmaSpec):
+    for cls in (K.SparseAttnPrefillFmaSpec, K.SparseAttnPrefillMmaSpec, K.SparseAttnPrefillMfmaSpec):
         assert not cls(cfg, 16).kv_read_once

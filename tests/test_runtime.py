@@ -153,7 +153,7 @@ def test_insert_kv_unit_scale_is_made_once_per_device():
 
 def test_mismatched_builds_are_refused(tmp_path):
     from msa_iree import compile as C
-    from msa_iree import kernels as K
+    from msa_iree import ops as K
     from msa_iree.config import MsaConfig
 
     spec = K.RebaseSlotsSpec(MsaConfig())
@@ -180,7 +180,7 @@ def test_an_fp8_hardware_kernel_on_an_older_gpu_is_refused_by_name(monkeypatch):
     import types
 
     from msa_iree.config import MsaConfig
-    from msa_iree.kernels import SparseAttnDecodeMmaSpec
+    from msa_iree.ops import SparseAttnDecodeMmaSpec
 
     lib = types.SimpleNamespace(target="cuda", driver="cuda")
     fp8 = SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16)

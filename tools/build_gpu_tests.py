@@ -9,7 +9,7 @@ Run here (the compiler lives on the CPU machine), then carry the directory to th
 """
 import argparse
 
-from msa_iree.bench import bench_specs
+from benchmarks.bench import bench_specs
 from msa_iree.compile import build
 from msa_iree.testing import gpu_test_specs
 

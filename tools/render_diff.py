@@ -20,10 +20,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 RENDER = r"""
 import json, sys
-from msa_iree import kernels as K
+from msa_iree import ops as K
 from msa_iree.config import MsaConfig
 out = {}
-for cls in [c for c in K.GPU_SPECS if issubclass(c, K.SparseAttnDecodeGpuSpec)]:
+for cls in [c for c in K.GPU_SPECS if issubclass(c, K.SparseAttnDecodeFmaSpec)]:
     for kv, qd in (("bf16", "bf16"), ("fp16", "fp16"), ("fp8_e4m3fn", "bf16"), ("fp8_e4m3fnuz", "bf16"),
                    ("fp8_e4m3fnuz", "fp16")):
         for h, g in ((1, 16), (1, 8), (2, 16)):

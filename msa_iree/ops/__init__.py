@@ -1,0 +1,80 @@
+"""The kernels: every MSA operation as a specialisation (a spec) that names one compiled module.
+
+- ops/portable.py: the PyTorch formulations (iree-turbine export), every target;
+- ops/fma.py, ops/mma.py, ops/mfma.py: the hand-written GPU attend's three families (vector FMAs,
+  CUDA tensor cores, gfx942 matrix cores), their shared part in ops/attend_gpu.py, their knobs in
+  ops/tuning.py; ops/insert_gpu.py: the in-place GPU KV insert; the templates in ops/templates/.
+
+This module is the registry: which spec classes exist, which attend family a target serves with,
+and the kernel set a deployment of one config needs (`kernel_set`).
+"""
+from __future__ import annotations
+
+from ..config import MsaConfig
+from .attend_gpu import GpuAttendSpec
+from .fma import SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec
+from .insert_gpu import InsertKvGpuSpec
+from .mfma import (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaEmulatedSpec,
+                   SparseAttnPrefillMfmaSpec)
+from .mma import SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec
+from .portable import (BuildDecodeTableSpec, BuildPrefillTableSpec, InsertKvSpec, RebaseBlockTableSpec,
+                       RebaseSlotsSpec, SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
+from .spec import KernelSpec, TemplateSpec
+
+PORTABLE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec, BuildDecodeTableSpec, BuildPrefillTableSpec,
+                  SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, InsertKvSpec)
+GPU_SPECS = (SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec,
+             SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaSpec, SparseAttnDecodeMfmaEmulatedSpec,
+             SparseAttnPrefillMfmaEmulatedSpec, InsertKvGpuSpec)
+ALL_KERNELS = {cls.kernel: cls for cls in (*PORTABLE_SPECS, *GPU_SPECS)}
+
+# (attend family, target) -> the GPU attend's (decode, prefill) spec classes. "mfma" on cuda is the
+# gfx942 kernel with its MFMAs emulated: it proves that kernel's numerics on an NVIDIA GPU (slow,
+# test only: no deployment kernel set holds it)
+GPU_ATTEND = {
+    ("fma", "cuda"): (SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec),
+    ("fma", "gfx942"): (SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec),
+    ("mma", "cuda"): (SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec),
+    ("mfma", "gfx942"): (SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaSpec),
+    ("mfma", "cuda"): (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnPrefillMfmaEmulatedSpec),
+}
+# the matrix-core family each GPU target serves with
+NATIVE_MATRIX = {"cuda": "mma", "gfx942": "mfma"}
+
+
+def served_attends(cfg: MsaConfig, target: str) -> list[tuple]:
+    """The GPU attend (decode, prefill) spec classes a deployment of `cfg` on `target` needs: the
+    FMA family and the target's matrix-core family, each where it can build `cfg`."""
+    families = [("fma", target), (NATIVE_MATRIX.get(target), target)]
+    return [GPU_ATTEND[f] for f in families if f in GPU_ATTEND and GPU_ATTEND[f][0].supports(cfg)]
+
+
+def unbuilt_attends(cfg: MsaConfig, target: str) -> dict[str, str]:
+    """{kernel: why} for the GPU attend families `target` has that cannot build `cfg` (the
+    runtime then serves with the portable attend, which is much slower on a GPU)."""
+    families = [("fma", target), (NATIVE_MATRIX.get(target), target)]
+    return {GPU_ATTEND[f][0].kernel: GPU_ATTEND[f][0].unsupported_reason(cfg)
+            for f in families if f in GPU_ATTEND and not GPU_ATTEND[f][0].supports(cfg)}
+
+
+def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), target=None) -> list[KernelSpec]:
+    """Every kernel a deployment of `cfg` needs: per cache layout (block page stride) and per
+    decode query length L (1 = plain decode, > 1 = speculative decode). For a GPU `target` also the
+    hand-written attends (where the head grouping allows them) and the in-place KV insert."""
+    gpu_attends = served_attends(cfg, target)
+    specs = [RebaseBlockTableSpec(cfg), RebaseSlotsSpec(cfg)]
+    for stride in strides:
+        for L in decode_query_lens:
+            specs += [BuildDecodeTableSpec(cfg.replace(decode_query_len=L), stride),
+                      SparseAttnDecodeSpec(cfg.replace(decode_query_len=L), stride)]
+            specs += [decode(cfg.replace(decode_query_len=L), stride) for decode, _ in gpu_attends]
+        specs += [prefill(cfg, stride) for _, prefill in gpu_attends]
+        if target in InsertKvGpuSpec.targets:
+            specs.append(InsertKvGpuSpec(cfg, stride))
+        specs += [cls(cfg, stride) for cls in (BuildPrefillTableSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec,
+                                               InsertKvSpec)]
+    return specs
+
+
+__all__ = ["ALL_KERNELS", "GPU_ATTEND", "GPU_SPECS", "NATIVE_MATRIX", "PORTABLE_SPECS", "GpuAttendSpec", "KernelSpec",
+           "TemplateSpec", "kernel_set", "served_attends", "unbuilt_attends", *[c.__name__ for c in ALL_KERNELS.values()]]

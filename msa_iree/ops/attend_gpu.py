@@ -1,0 +1,146 @@
+"""The hand-written GPU attend: what its three families (ops/fma.py, ops/mma.py, ops/mfma.py)
+share. One template, `templates/sparse_attend.mlir.j2`, renders every variant; a family adds its
+parts of @split (`templates/<family>_split.j2`) and reads its row of the tuning table.
+
+Same operation as the portable `sparse_attn_decode` / `sparse_attn_prefill` (the sparse table
+build fused into the attend), another module interface: k/v pages arrive flat, [pages * H, 2048]
+storage elements, and the output tensor and a workspace come last as the results' storage. GPU
+targets only (llvm-cpu cannot lower gpu.thread_id). Two dispatches: @split (a workgroup per
+(row, split): online softmax over the split's blocks, partials into the workspace) and @merge.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .spec import FP8_FORMAT, MLIR_ELEMENT, TemplateSpec, render_template
+from .tuning import TUNING, AttendTuning
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuAttendSpec(TemplateSpec):
+    """One variant of the GPU attend; `tuning` defaults to the family's row of ops/tuning.py."""
+
+    tuning: AttendTuning | None = None
+
+    template = "sparse_attend.mlir.j2"
+    family = ""        # "fma", "mma" or "mfma": the template's parts and the tuning row
+    prefill = False    # rows from query_req_id / query_abs_pos (chunked prefill), else seq_lens and L
+    native_fp8 = None  # the fp8 format this family's target converts in hardware (hw_fp8)
+    emulate_mfma = False
+    # `main` takes the output tensor and a workspace (workspace_floats) last and writes into them
+    # (iree.abi.output): the call allocates nothing (an allocation costs ~100 us of host time a call)
+    output_storage = True
+    # main writes only into operands it is given (the output and the workspace, the last two), so
+    # that msa_iree.runtime.cuda_launch can launch it on torch's stream
+    written_operands = (-2, -1)
+    GROUP_SIZES = (8, 16)  # heads per KV head: softmax groups are subgroup clusters of 256 / G <= 32 lanes
+
+    def __post_init__(self):
+        if self.tuning is None:
+            object.__setattr__(self, "tuning", TUNING[self.family])
+        if self.cfg.group_size not in self.GROUP_SIZES:
+            raise ValueError(f"num_heads / num_kv_heads: expected one of {self.GROUP_SIZES} for the GPU attend, "
+                             f"got {self.cfg.group_size}")
+        if self.cfg.topk != 16:
+            raise ValueError(f"topk: expected 16 for the GPU attend, got {self.cfg.topk}")
+
+    @classmethod
+    def supports(cls, cfg) -> bool:
+        """True when `cfg` can be built by this kernel (what __post_init__ would otherwise refuse)."""
+        return cfg.group_size in cls.GROUP_SIZES and cfg.topk == 16
+
+    @classmethod
+    def unsupported_reason(cls, cfg) -> str | None:
+        """Why `cfg` cannot be built by this kernel, in one line; None where it can."""
+        try:
+            cls(cfg, 16)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    # ---- the knobs in effect (the template's parameters, the name's suffix) ----
+
+    def knobs(self) -> dict:
+        """The tuning knobs in effect for this config: the family's row, resolved (a knob that
+        does not apply to this dtype or family is off)."""
+        t, fp8 = self.tuning, self.cfg.is_fp8
+        hw_fp8 = t.hw_fp8 and self.cfg.kv_dtype == self.native_fp8
+        async_kv = t.async_kv_fp8 and fp8
+        return {"SPLITS": self.tuning.split_rule(fp8), "MERGE_ROWS_SPLITS": t.merge_rows_splits,
+                "MRP": t.merge_row_parts, "BT_PRELOAD": t.bt_preload, "MIN_CTAS": t.min_ctas_per_sm,
+                "WAVES_PER_EU": None if self.emulate_mfma else t.waves_per_eu, "HW_FP8": hw_fp8,
+                "ASYNC_KV": async_kv, "EARLY_V": t.early_v and not fp8,
+                "Q_FIRST": self.q_first_applies(t.q_first and t.bt_preload > 0)}
+
+    def q_first_applies(self, wanted: bool) -> bool:
+        return wanted
+
+    @property
+    def tag(self) -> str:
+        """The knobs in effect, spelled out for the variant name (every knob that is on)."""
+        k = self.knobs()
+        parts = ["-".join(f"r{rows}s{splits}" for rows, splits in k["SPLITS"])]
+        if k["MERGE_ROWS_SPLITS"]:
+            parts.append(f"mr{k['MERGE_ROWS_SPLITS']}x{k['MRP']}")
+        if k["BT_PRELOAD"]:
+            parts.append(f"bt{k['BT_PRELOAD']}")
+        if k["MIN_CTAS"]:
+            parts.append(f"cta{k['MIN_CTAS']}")
+        if k["WAVES_PER_EU"]:
+            parts.append(f"wpe{k['WAVES_PER_EU']}")
+        parts += [flag for key, flag in (("HW_FP8", "hwcvt"), ("ASYNC_KV", "akv"), ("EARLY_V", "ev"),
+                                         ("Q_FIRST", "qf")) if k[key]]
+        return ".".join(parts)
+
+    @property
+    def variant(self) -> str:
+        base = super().variant if self.prefill else f"{super().variant}.L{self.cfg.decode_query_len}"
+        return f"{base}.{self.tag}"
+
+    def describe(self) -> dict:
+        knobs = {k.lower(): list(map(list, v)) if k == "SPLITS" else v for k, v in self.knobs().items()}
+        return {**super().describe(), "family": self.family, "prefill": self.prefill, "knobs": knobs}
+
+    def render(self) -> str:
+        c = self.cfg
+        return render_template(self.template, G=c.group_size, H=c.num_kv_heads, L=c.decode_query_len,
+                               QT=MLIR_ELEMENT[c.query_dtype], KT=MLIR_ELEMENT[c.kv_dtype],
+                               FP8=FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill,
+                               MMA=self.family == "mma", MFMA=self.family == "mfma", EMULATE=self.emulate_mfma,
+                               **self.knobs())
+
+    # ---- what the runtime needs to know ----
+
+    def splits(self, rows: int) -> int:
+        """Workgroups per row the attend launches for `rows` rows."""
+        return self.tuning.splits_for(rows, self.cfg.is_fp8)
+
+    def workspace_floats(self, num_tokens: int) -> int:
+        """f32 elements of the workspace `main` takes after the output, enough for any call of up
+        to num_tokens tokens: the split partials o and (m, l), 130 floats per (row, split, head)
+        (the MFMA family stores o in f16 and (m, l, o's scale): 67 floats of that room)."""
+        rows = num_tokens * self.cfg.num_kv_heads
+        return self.tuning.max_partials(rows, self.cfg.is_fp8) * self.cfg.group_size * 130
+
+    @property
+    def kv_read_once(self) -> bool:
+        """Whether each K/V page it reads is read by one row only: a decode with one query token a
+        sequence (a row reads its own top-k blocks; rows share pages only through a shared prefix).
+        Its loads may then be marked L2 evict-first (runtime.cuda_launch.with_l2_evict_first);
+        where rows share pages (several tokens a sequence, prefill) the hint costs re-reads."""
+        return not self.prefill and self.cfg.decode_query_len == 1
+
+
+class MatrixAttendSpec(GpuAttendSpec):
+    """A GPU attend whose products run on matrix instructions: both operands share one type, so the
+    cache holds the query's dtype or fp8 (decoded exactly into f16, the query converted to f16)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.cfg.is_fp8 and self.cfg.kv_dtype != self.cfg.query_dtype:
+            raise ValueError(f"kv_dtype: expected fp8 or the query dtype {self.cfg.query_dtype} for the "
+                             f"{self.family} attend (both operands share one type), got {self.cfg.kv_dtype}")
+
+    @classmethod
+    def supports(cls, cfg) -> bool:
+        return super().supports(cfg) and (cfg.is_fp8 or cfg.kv_dtype == cfg.query_dtype)

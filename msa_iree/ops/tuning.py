@@ -1,0 +1,88 @@
+"""How the hand-written GPU attend is tuned, as data: one row per kernel family.
+
+This table is the single source of every tuning knob: the attend template receives a row as it
+is (`AttendTuning.template_params`), the spec derives its workspace bound and its name from it, and
+nothing else restates a rule. A family fixes its target: `fma` is built for CUDA and gfx942 alike,
+`mma` for CUDA, `mfma` for gfx942 (its CUDA twin with emulated MFMAs, a test kernel, runs gfx942's
+row so that it runs the same text). Why each value is what it is: benchmarks/PERF.md, the
+decision record (the H200 measurements behind the CUDA rows; the gfx942 ISA behind the mfma row,
+which no MI300X has measured).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# Splits of a row's 16 top-k entries over workgroups, by row count: ((at most this many rows,
+# this many splits), ...), rows ascending; more rows than the last entry: 1 split. Few rows need
+# more workgroups to fill the GPU; each split costs a partial (o, m, l) and @merge's work.
+SPLITS = ((16, 16), (32, 8), (64, 4), (128, 2))
+# fp8 rows of the MFMA attend split at most 8 ways: the partials written between its two
+# dispatches stay under 10% of the K/V bytes a row reads (f32 partials at 16 splits: 25%)
+SPLITS_AT_MOST_8 = ((16, 8), (32, 8), (64, 4), (128, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttendTuning:
+    """One kernel family's knobs (the defaults are the knob's off state)."""
+
+    splits: tuple = SPLITS                # split rule for 16-bit caches (see SPLITS)
+    splits_fp8: tuple = SPLITS            # ... and for fp8 caches
+    merge_rows_splits: int = 0            # @merge: a workgroup per row up to this many splits (0: per (row, head))
+    merge_row_parts: int = 1              # ... at exactly merge_rows_splits splits, this many workgroups a row
+    bt_preload: int = 0                   # the request's block-table row staged in LDS up to this many columns
+    min_ctas_per_sm: int | None = None    # CUDA: workgroups per SM asked of ptxas (caps its registers)
+    waves_per_eu: int | None = None       # gfx942: waves per SIMD asked of the register allocator
+    hw_fp8: bool = False                  # the target's own fp8 format converted by the hardware
+    async_kv_fp8: bool = False            # CUDA: fp8 K/V staged in LDS by cp.async one block ahead
+    early_v: bool = False                 # CUDA, K/V read into registers: V requested right after QK
+    q_first: bool = False                 # q requested during the page-id fetch (needs bt_preload)
+
+    def __post_init__(self):
+        for name in ("splits", "splits_fp8"):
+            rule = getattr(self, name)
+            rows = [r for r, _ in rule]
+            if not rule or rows != sorted(rows) or any(s < 1 or 16 % s for _, s in rule):
+                raise ValueError(f"AttendTuning.{name}: expected ((rows, splits), ...) with rows ascending and "
+                                 f"splits dividing 16, got {rule!r}")
+        if self.bt_preload % 256:  # the staged row is copied by the 256 threads, 256 columns a step
+            raise ValueError(f"AttendTuning.bt_preload: expected a multiple of 256 block-table columns, "
+                             f"got {self.bt_preload}")
+
+    def split_rule(self, fp8: bool) -> tuple:
+        return self.splits_fp8 if fp8 else self.splits
+
+    def splits_for(self, rows: int, fp8: bool) -> int:
+        """Workgroups per row the attend launches for `rows` rows (the template's rule)."""
+        return next((s for limit, s in self.split_rule(fp8) if rows <= limit), 1)
+
+    def max_partials(self, rows: int, fp8: bool) -> int:
+        """The most (row, split) partials any call of up to `rows` rows writes."""
+        return max([min(limit, rows) * s for limit, s in self.split_rule(fp8)] + [rows])
+
+
+# the rows of the table
+TUNING = {
+    "fma": AttendTuning(),
+    "mma": AttendTuning(
+        # a workgroup per row up to 4 splits (>= 33 rows), two at exactly 4 (4 heads a thread's
+        # vector): the merge 1.87 -> 1.60 us at TP4 bf16 B=64
+        merge_rows_splits=4, merge_row_parts=2,
+        # up to 1024 columns (128K tokens) the page ids wait on one global load, not two in a chain
+        bt_preload=1024,
+        # 2 workgroups per SM (<= 128 registers): left alone ptxas gave the 8-head kernel 184 and
+        # one workgroup per SM, 1.3x slower
+        min_ctas_per_sm=2,
+        hw_fp8=True,          # e4m3fn: cvt.rn.f16x2.e4m3x2 (sm_89+)
+        async_kv_fp8=True,    # fp8 B=64 20.0 -> 17.7 us; for bf16 (64 KiB of LDS) slower
+        early_v=True,         # prefill bf16 552 -> 532 us
+        q_first=True,         # fp8 B=64 14.85 -> 14.1 us; bf16 (raw q) slower: fp8 only
+    ),
+    "mfma": AttendTuning(
+        splits_fp8=SPLITS_AT_MOST_8,
+        merge_rows_splits=4,
+        bt_preload=256,       # 1 KiB of LDS keeps 4 workgroups (16 waves) a CU
+        waves_per_eu=4,       # fp8 124 VGPRs with it, 128 without; q in registers took 155
+        hw_fp8=True,          # e4m3fnuz: v_cvt_pk_f32_fp8, 4 instructions per 4 values, not ~19
+        q_first=True,         # the q staging's barrier had put a memory round trip before the first K
+    ),
+}

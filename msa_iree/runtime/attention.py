@@ -1,0 +1,309 @@
+"""`SparseAttention`: the MiniMax-M3 sparse attend of one layer over SHUFFLE page-16 caches.
+
+Per call it checks what is the layer's own and runs the compiled attend for the step's decode and
+prefill parts: the hand-written GPU attend where the target and head grouping allow it (launched
+on torch's stream on CUDA), else the portable module.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import checks
+from ..config import DTYPES, MsaConfig, dtype_name
+from ..layout import BLOCK_SIZE, PAGES_PER_BLOCK, block_page_stride
+from ..ops import (GPU_ATTEND, NATIVE_MATRIX, GpuAttendSpec, SparseAttnDecodeFmaSpec, SparseAttnDecodeSpec,
+                   SparseAttnPrefillFmaSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
+from ..ops.fp8 import storage_dtype
+from .binding import _contiguous_copies, _LayerBinding, _refresh_copies
+from .kv_insert import _insert_plan, _InsertLaunch, _run_insert
+from .library import KernelLibrary, _current_raw_stream, module_scale
+from .metadata import MsaMetadata
+
+
+@dataclasses.dataclass
+class _LayerState:
+    """SparseAttention's per-layer operands (see SparseAttention._layer_state)."""
+    stride: int                 # block page stride of the cache layout
+    kp: torch.Tensor            # folded page views [pages * H, ...], storage dtype
+    vp: torch.Tensor
+    ks: torch.Tensor            # module scales [H, 1 or slots]
+    vs: torch.Tensor
+    operands: tuple             # (kp flat, vp flat, scale, ks, vs): keeps the viewed memory alive
+    views: tuple                # the same as IREE views (GPU drivers) or tensors (host)
+    refresh: tuple = ()         # stream launch: (contiguous copy, strided operand), copied per call
+
+
+def _gpu_matrix(target, cfg, gpu_matrix):
+    """The GPU attend variant to use: `gpu_matrix` checked against the target and config; "auto"
+    is the target's matrix-core kernel where it supports cfg (mma on cuda, mfma on gfx942), else fma."""
+    if gpu_matrix not in ("auto", "fma", "mma", "mfma"):
+        raise ValueError(f"gpu_matrix: expected 'auto', 'fma', 'mma' or 'mfma', got {gpu_matrix!r}")
+    if gpu_matrix == "auto":
+        native = NATIVE_MATRIX.get(target)
+        return native if native and GPU_ATTEND[native, target][0].supports(cfg) else "fma"
+    if gpu_matrix == "fma":
+        return "fma"
+    specs = GPU_ATTEND.get((gpu_matrix, target))
+    if specs is None or not specs[0].supports(cfg):
+        where = "a cuda target" if gpu_matrix == "mma" else "a gfx942 (or, emulated for tests, cuda) target"
+        raise ValueError(f"gpu_matrix={gpu_matrix!r}: expected {where}, 8 or 16 heads per KV head and an fp8 or "
+                         f"query-dtype cache, got target {target!r}, {cfg.group_size} "
+                         f"heads per KV head, a {cfg.kv_dtype} cache with {cfg.query_dtype} queries")
+    return gpu_matrix
+
+
+class SparseAttention:
+    """MiniMax-M3 sparse attend over SHUFFLE page-16 caches, backed by compiled IREE modules."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, kv_cache_dtype,
+                 target: str = "host", *, build_dir=None, query_dtype=torch.bfloat16, kernels=None,
+                 validate_emitted_tables: bool = True, gpu_matrix: str = "auto"):
+        kv_name = kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype)
+        self.cfg = MsaConfig(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size, kv_dtype=kv_name,
+                             query_dtype=dtype_name(query_dtype))
+        self.kv_dtype = DTYPES[kv_name]
+        self.kernels = kernels or KernelLibrary(target, build_dir)
+        self.scale = scale
+        self.scale_tensor = torch.tensor([scale], dtype=torch.float32)
+        self._layer_key = None
+        self._workspace = None  # (torch f32 tensor, its IREE view): the GPU attend's split partials
+        self._decode_launch = None  # _DecodeLaunch: the last decode-only step's bound attend (stream launch)
+        self._insert_launch = None  # _InsertLaunch: this layer's bound KV insert (stream launch)
+        self._specs = {}  # (kernel class, decode L, stride) -> spec: built once, not per call
+        self.validate_emitted_tables = validate_emitted_tables
+        # the hand-written GPU attend (decode and prefill) where the target and head grouping allow it
+        self.gpu_decode = (self.kernels.target in SparseAttnDecodeFmaSpec.targets
+                           and SparseAttnDecodeFmaSpec.supports(self.cfg))
+        self.gpu_matrix = _gpu_matrix(self.kernels.target, self.cfg, gpu_matrix)
+        self.decode_spec, self.prefill_spec = GPU_ATTEND[self.gpu_matrix, self.kernels.target] \
+            if self.gpu_decode else (SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec)
+
+    # the folded page views the modules read: [pages * H, ...] (id = page * H + head)
+    @staticmethod
+    def _folded(cache):
+        return cache.reshape(-1, *cache.shape[2:]).view(storage_dtype(cache.dtype))
+
+    def _spec(self, cls, stride, decode_query_len=1):
+        key = (cls, stride, decode_query_len)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = cls(self.cfg.replace(decode_query_len=decode_query_len), stride)
+        return spec
+
+    def _on(self, device):
+        """The constant operands on `device` (moved once, then reused by every call)."""
+        if self.scale_tensor.device != device:
+            self.scale_tensor = self.scale_tensor.to(device)
+
+    def _layer_state(self, k_cache, v_cache, k_scale, v_scale):
+        """What depends only on the layer's cache and scale tensors, worked out once and reused
+        while the same tensors come back (a layer passes the same ones every step): their checks,
+        the folded page views, the module scales, and for the GPU attend their IREE views
+        (a DLPack import costs ~1-5 us per tensor on an H200 host, benchmarks/PERF.md)."""
+        key = tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+                    for t in (k_cache, v_cache, k_scale, v_scale))
+        if self._layer_key == key:
+            return self._layer
+        cfg = self.cfg
+        checks.check_kv_cache(k_cache, v_cache, cfg.num_kv_heads, self.kv_dtype)
+        stride = block_page_stride(k_cache, v_cache)
+        capacity = k_cache.shape[0] // stride * BLOCK_SIZE
+        checks.check_scale("k_scale", k_scale, self.kv_dtype, cfg.num_kv_heads, capacity)
+        checks.check_scale("v_scale", v_scale, self.kv_dtype, cfg.num_kv_heads, capacity)
+        self._on(k_cache.device)
+        kp, vp = self._folded(k_cache), self._folded(v_cache)
+        ks, vs = self._scales(k_scale, v_scale, k_cache.device)
+        operands = (kp.reshape(kp.shape[0], -1), vp.reshape(vp.shape[0], -1), self.scale_tensor, ks, vs)
+        refresh = ()
+        if self.kernels.stream_launch:
+            # launched on torch's stream: the tensors themselves; a strided one (a scalar scale
+            # expanded over 2+ KV heads) through a contiguous copy refreshed on every call, so
+            # that a scale changed in place is seen, as IREE's call (which copies it) sees it
+            views, refresh = _contiguous_copies(operands)
+        else:
+            # only a zero-copy view can be reused (it reads the tensor's current bytes); anything
+            # IREE would copy (host driver, a strided scale) is imported again on every call
+            views = tuple(self.kernels.to_iree(t) if self.kernels.zero_copy and t.is_cuda and t.is_contiguous() else t
+                          for t in operands)
+        # operands keeps the memory the views point at alive
+        self._layer = _LayerState(stride, kp, vp, ks, vs, operands, views, refresh)
+        self._layer_key = key
+        return self._layer
+
+    def _step_views(self, phase, *names):
+        """IREE views of a phase's metadata tensors (for stream launches the tensors, on the
+        device), made by the first layer of a step and reused by the others (they share the
+        step's metadata)."""
+        cache = phase.__dict__.setdefault("_iree_views", {})
+        views = cache.get(id(self.kernels))
+        if views is None:
+            if self.kernels.stream_launch:  # the tensors, on the query's device, contiguous
+                device = self.scale_tensor.device
+                views = {n: getattr(phase, n).to(device).contiguous() for n in names}
+            else:
+                views = {n: self.kernels.to_iree(getattr(phase, n)) for n in names}
+            cache[id(self.kernels)] = views
+        return [views[n] for n in names]
+
+    def _workspace_for(self, spec, num_tokens, device):
+        """The GPU attend's workspace (spec.workspace_floats), kept across calls and imported once;
+        reallocated only when a larger batch needs more, so the steady hot path allocates nothing."""
+        need = spec.workspace_floats(num_tokens)
+        if self._workspace is None or self._workspace[0].numel() < need or self._workspace[0].device != device:
+            ws = torch.empty(max(need, 1 << 20), dtype=torch.float32, device=device)
+            zero_copy = self.kernels.zero_copy and not self.kernels.stream_launch
+            self._workspace = (ws, self.kernels.to_iree(ws) if zero_copy else ws)
+        return self._workspace[1]
+
+    def _scales(self, k_scale, v_scale, device):
+        h = self.cfg.num_kv_heads
+        return tuple(self.kernels.unit_scale(h, device) if s is None else module_scale(s, h) for s in (k_scale, v_scale))
+
+    def _check(self, query, k_cache, output, topk):
+        """The per-call checks (the cache and scale checks run in _layer_state, once per tensor)."""
+        cfg = self.cfg
+        checks.check_query(query, cfg.num_heads)
+        checks.check_dtype("query", query, cfg.query_torch_dtype)
+        checks.check_device("k_cache", k_cache, query.device)
+        checks.check_out(output, query)
+        checks.check_topk(topk, cfg.num_kv_heads, None, cfg.topk)
+
+    def insert_kv(self, key, value, k_cache, v_cache, metadata_or_slots, k_scale=None, v_scale=None):
+        """This layer's KV insert: runtime.insert_kv (same arguments, checks and result; key/value
+        [N, H, 128] bf16/fp16 written into k_cache/v_cache in place). Launched on torch's stream
+        with slots the builder range-checked (MetadataBuilder(num_cache_blocks=...)), the later
+        calls over the same caches, scales and step buffers go through a binding that checks only
+        key and value: 47-71 -> 7-10 us of host time a call on an H200 (benchmarks/PERF.md)."""
+        bound = self._insert_launch
+        if bound is not None and bound(metadata_or_slots, key, value, k_cache, v_cache, k_scale, v_scale):
+            return
+        self._insert_launch = None
+        plan = _insert_plan(self.kernels, key, value, k_cache, v_cache, metadata_or_slots, k_scale, v_scale,
+                            self.kv_dtype)
+        if plan is None:
+            return
+        spec, operands, capacity = plan
+        _run_insert(self.kernels, spec, operands)
+        self._insert_launch = _InsertLaunch.bind(self.kernels, spec, metadata_or_slots,
+                                                 (k_cache, v_cache, k_scale, v_scale), operands, capacity)
+
+    def forward(self, query, k_cache, v_cache, output, topk, metadata: MsaMetadata, k_scale=None, v_scale=None,
+                sparse_block_table=None, sparse_context_lens=None):
+        """query/output [tokens, Hq, 128]; topk [H, >= tokens, K] int32. Returns `output`."""
+        if not isinstance(metadata, MsaMetadata):
+            return output  # profiling run: nothing to attend (as vLLM runs it)
+        bound = self._decode_launch
+        if (bound is not None and sparse_block_table is None and sparse_context_lens is None
+                and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale)):
+            return output  # a later call of a bound step: only what changes per call was checked
+        self._check(query, k_cache, output, topk)
+        layer = self._layer_state(k_cache, v_cache, k_scale, v_scale)
+        cfg, h = self.cfg, self.cfg.num_kv_heads
+        nd, n = metadata.num_decode_tokens, metadata.num_actual_tokens
+        if topk.shape[1] < n:
+            raise ValueError(f"topk: expected at least num_actual_tokens={n} rows, got {topk.shape[1]}")
+        stride = layer.stride
+        emitted = checks.check_sparse_table(sparse_block_table, sparse_context_lens, None, cfg.topk)
+        if emitted:
+            if stride != PAGES_PER_BLOCK * 2:
+                raise RuntimeError(f"the indexer emitted a page table for a block spanning {PAGES_PER_BLOCK * 2} pages, "
+                                   f"but this KV cache lays a block out over {stride}. The page-16 rebase assumes both "
+                                   "K/V sides share a block.")
+            checks.check_shape("sparse_block_table", sparse_block_table, (None, cfg.topk * PAGES_PER_BLOCK))
+            if sparse_block_table.shape[0] < n * h or sparse_context_lens.shape[0] < n * h:
+                raise ValueError(f"sparse_block_table: expected at least num_actual_tokens * num_kv_heads = {n * h} "
+                                 f"rows, got {sparse_block_table.shape[0]} and {sparse_context_lens.shape[0]}")
+            if self.validate_emitted_tables:
+                checks.check_ids_in_range("sparse_block_table", sparse_block_table[:n * h],
+                                          min(k_cache.shape[0], v_cache.shape[0]) * h)
+        kp, vp = layer.kp, layer.vp
+        common = (self.scale_tensor, layer.ks, layer.vs)
+        _refresh_copies(layer.refresh)
+        for lo, hi, phase in ((0, nd, metadata.decode), (nd, n, metadata.prefill)):
+            if hi == lo:
+                continue
+            q = _rows(query, lo, hi)
+            if emitted:
+                spec = self._spec(SparsePagedAttendSpec, stride)
+                args = (q, kp, vp, sparse_block_table[lo * h:hi * h].reshape(hi - lo, h, -1),
+                        sparse_context_lens[lo * h:hi * h].reshape(hi - lo, h), *common)
+            elif phase is metadata.decode and self.gpu_decode:
+                spec = self._spec(self.decode_spec, stride, phase.decode_query_len)
+                kpv, vpv, scale_v, ksv, vsv = layer.views
+                args = (q, kpv, vpv, _rows(topk, lo, hi, 1), *self._step_views(phase, "block_table", "seq_lens"),
+                        scale_v, ksv, vsv)
+            elif phase is metadata.decode:
+                spec = self._spec(SparseAttnDecodeSpec, stride, phase.decode_query_len)
+                args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.seq_lens, *common)
+            elif self.gpu_decode:
+                spec = self._spec(self.prefill_spec, stride)
+                kpv, vpv, scale_v, ksv, vsv = layer.views
+                args = (q, kpv, vpv, _rows(topk, lo, hi, 1),
+                        *self._step_views(phase, "block_table", "query_req_id", "query_abs_pos"), scale_v, ksv, vsv)
+            else:
+                spec = self._spec(SparseAttnPrefillSpec, stride)
+                args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.query_req_id, phase.query_abs_pos, *common)
+            if getattr(spec, "output_storage", False):  # (checks.check_out: output is contiguous)
+                ws = self._workspace_for(spec, hi - lo, query.device)
+                self.kernels.run(spec, *args, out=[_rows(output, lo, hi), ws])  # written in place
+                if phase is metadata.decode and self.gpu_decode and not emitted and metadata.prefill is None:
+                    self._decode_launch = _DecodeLaunch.bind(self.kernels, spec, metadata, layer, (k_cache, v_cache,
+                                                             k_scale, v_scale), (query, topk, output), args, ws)
+                continue
+            (o,) = self.kernels.run(spec, *args, out_dtypes=[query.dtype])
+            output[lo:hi].copy_(o)
+        return output
+
+    __call__ = forward
+
+
+class _DecodeLaunch(_LayerBinding):
+    """A layer's decode-only step bound to its stream launch (FlashInfer's plan/run split): made by
+    a forward that ran every check, it serves the later calls that pass the same metadata, caches
+    and scales, checking only what may change per call (the query, output and top-k tensors: the
+    shapes, dtypes and device bound, contiguous) before it launches; any other call takes the
+    checked path (and binds anew). It keeps the step's metadata alive until the next binding (and,
+    as every _LayerBinding, the layer's tensors)."""
+
+    @classmethod
+    def bind(cls, kernels, spec, metadata, layer, layer_tensors, call_tensors, args, workspace):
+        """None unless the attend is launched on torch's stream from the call tensors' own memory.
+        layer_tensors: (k_cache, v_cache, k_scale, v_scale); call_tensors: (query, topk, output);
+        args: the decode module's inputs as forward passed them (query rows at 0, top-k rows at 3)."""
+        sk = kernels.stream_kernel(spec) if kernels.stream_launch else None
+        query, topk, output = call_tensors
+        # the kernel reads rows from the first: their addresses are the whole tensors' if contiguous
+        if sk is None or not all(t.is_contiguous() for t in (*call_tensors, args[0], args[3])):
+            return None
+        self = cls()
+        self.metadata = metadata
+        self._hold(layer_tensors, layer.refresh)
+        self.q_shape, self.q_dtype, self.topk_shape = query.shape, query.dtype, topk.shape
+        self.device_index = query.get_device()
+        out_rows = _rows(output, 0, args[0].shape[0])
+        self.launch = sk.bind([*args, out_rows, workspace], variable=(0, 3, len(args)))
+        return self
+
+    def __call__(self, metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale) -> bool:
+        """Queue the attend if this call is one the binding serves (True); else False, nothing done."""
+        if metadata is not self.metadata or not self._same_layer(k_cache, v_cache, k_scale, v_scale):
+            return False
+        q_shape, q_dtype, index = self.q_shape, self.q_dtype, self.device_index
+        if (query.shape != q_shape or output.shape != q_shape or topk.shape != self.topk_shape
+                or query.dtype != q_dtype or output.dtype != q_dtype or topk.dtype != torch.int32
+                or query.get_device() != index or output.get_device() != index or topk.get_device() != index
+                or not (query.is_contiguous() and output.is_contiguous() and topk.is_contiguous())):
+            return False
+        self._refresh()
+        self.launch(_current_raw_stream(index), query.data_ptr(), topk.data_ptr(), output.data_ptr())
+        return True
+
+
+def _rows(t, lo, hi, dim=0):
+    """Rows lo:hi of `t` along dim; `t` itself when that is all of it (a slice costs ~1-2 us of
+    host time per call, and a decode-only step takes every row)."""
+    if lo == 0 and hi == t.shape[dim]:
+        return t
+    return t[lo:hi] if dim == 0 else t[:, lo:hi]

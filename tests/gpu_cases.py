@@ -1,0 +1,64 @@
+"""The kernel variants and cases the GPU tests run (tests/test_gpu.py; built by
+tools/build_gpu_tests.py)."""
+from msa_iree.layout import LAYOUT_STRIDES
+
+# ---- the kernel variants the GPU tests run (tests/test_gpu.py; built by tools/build_gpu_tests.py) ----
+
+# (num_heads, num_kv_heads, kv dtype, query dtype, decode L, block page stride, fp8 scale mode)
+GPU_DECODE_CASES = (
+    (16, 1, "bf16", "bf16", 1, 16, "tensor"),
+    (16, 1, "fp8_e4m3fn", "bf16", 1, 16, "token"),
+    (16, 1, "fp8_e4m3fnuz", "bf16", 4, 8, "tensor"),
+    (8, 1, "fp8_e4m3fn", "bf16", 1, 16, "tensor"),
+    (16, 2, "bf16", "bf16", 2, 16, "tensor"),
+    (16, 1, "fp16", "fp16", 3, 8, "tensor"),
+    (8, 1, "fp8_e4m3fnuz", "bf16", 1, 16, "token"),  # gfx942's fp8 (its MFMA attend converts it in hardware)
+)
+# serving simulations through SparseAttention on the GPU: (kv dtype, query dtype, layout, kv heads, scale mode)
+GPU_SERVING_CASES = (
+    ("bf16", "bf16", "interleaved", 1, "tensor"),
+    ("fp8_e4m3fn", "bf16", "planes", 1, "token"),
+    ("fp8_e4m3fn", "bf16", "interleaved", 2, "tensor"),  # a scalar scale expanded over 2 KV heads
+    ("fp8_e4m3fnuz", "bf16", "interleaved", 2, "token"),  # gfx942's fp8, per-token scales over 2 KV heads
+)
+
+
+# the in-place GPU insert: (kv dtype, key dtype, layout, kv heads)
+GPU_INSERT_CASES = (
+    ("fp8_e4m3fn", "bf16", "interleaved", 1),
+    ("fp8_e4m3fnuz", "bf16", "planes", 2),
+    ("bf16", "bf16", "planes", 1),
+    ("fp16", "bf16", "interleaved", 2),
+)
+
+
+def gpu_test_specs():
+    """Every compiled kernel tests/test_gpu.py calls, for `cuda`."""
+    from msa_iree.config import MsaConfig
+    from msa_iree.ops import (InsertKvGpuSpec, RebaseBlockTableSpec, SparseAttnDecodeFmaSpec,
+                          SparseAttnDecodeMfmaEmulatedSpec as Mfma, SparseAttnDecodeMmaSpec,
+                          SparseAttnPrefillFmaSpec,
+                          SparseAttnPrefillMfmaEmulatedSpec as MfmaPrefill, SparseAttnPrefillMmaSpec)
+
+    specs = [RebaseBlockTableSpec(MsaConfig())]
+    for hq, h, kv, qd, L, stride, _ in GPU_DECODE_CASES:
+        cfg = MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd, decode_query_len=L)
+        specs += [SparseAttnDecodeFmaSpec(cfg, stride), SparseAttnPrefillFmaSpec(cfg.replace(decode_query_len=1), stride)]
+        if SparseAttnDecodeMmaSpec.supports(cfg):
+            specs += [SparseAttnDecodeMmaSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg.replace(decode_query_len=1), stride)]
+        if Mfma.supports(cfg):
+            specs += [Mfma(cfg, stride), MfmaPrefill(cfg.replace(decode_query_len=1), stride)]
+    for kv, qd, layout, h, _ in GPU_SERVING_CASES:
+        stride = LAYOUT_STRIDES[layout]
+        cfg = MsaConfig(num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
+        specs += [SparseAttnPrefillFmaSpec(cfg, stride), InsertKvGpuSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg, stride)]
+        specs += [cls(cfg.replace(decode_query_len=L), stride) for L in (1, 4)
+                  for cls in (SparseAttnDecodeFmaSpec, SparseAttnDecodeMmaSpec)]
+        specs += [MfmaPrefill(cfg, stride)] + [Mfma(cfg.replace(decode_query_len=L), stride) for L in (1, 4)]
+    for kv, qd, layout, h in GPU_INSERT_CASES:
+        cfg = MsaConfig(num_heads=8 * h, num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
+        specs.append(InsertKvGpuSpec(cfg, LAYOUT_STRIDES[layout]))
+    for kv in ("fp8_e4m3fn", "fp8_e4m3fnuz"):  # the NaN-code tests: decode L=1, interleaved
+        specs += [cls(MsaConfig(kv_dtype=kv), 16) for cls in (SparseAttnDecodeFmaSpec, SparseAttnDecodeMmaSpec, Mfma)]
+    specs += [cls(MsaConfig(), 16) for cls in (SparseAttnDecodeMmaSpec, Mfma)]  # workspace, NaN-tail tests (bf16)
+    return list({s.name: s for s in specs}.values())
