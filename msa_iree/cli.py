@@ -2,62 +2,92 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import time
+
+from . import __version__
 
 # layout.LAYOUT_STRIDES, spelled out: the CLI validates options before it imports torch
 LAYOUT_STRIDES = {"interleaved": 16, "planes": 8}
 
 
-def _csv(kind):
+class UsageError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _csv(kind, name):
     def parse(text):
-        return [kind(x) for x in text.split(",") if x]
+        try:
+            return [kind(x) for x in text.split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {kind.__name__}, got {text!r}") from None
+    parse.__name__ = name
     return parse
 
 
 def _config(args, target):
     from .config import MsaConfig, resolve_dtype
 
-    kv = resolve_dtype(args.kv_dtype, target)
-    return MsaConfig(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, kv_dtype=kv,
-                     query_dtype=resolve_dtype(args.query_dtype, target))
+    return MsaConfig(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                     kv_dtype=resolve_dtype(args.kv_dtype, target), query_dtype=resolve_dtype(args.query_dtype, target))
+
+
+def _check_compile_options(args):
+    from .compile import TARGETS
+
+    for target in args.target:
+        if target not in TARGETS:
+            raise UsageError(f"--target: expected one of {sorted(TARGETS)}, got {target!r}")
+    for layout in args.layouts:
+        if layout not in LAYOUT_STRIDES:
+            raise UsageError(f"--layouts: expected {sorted(LAYOUT_STRIDES)}, got {layout!r}")
+    bad = [L for L in args.decode_query_lens if not 1 <= L <= 8]
+    if bad or not args.decode_query_lens:
+        raise UsageError(f"--decode-query-lens: expected decode query lengths in 1..8, got {bad or 'none'}")
 
 
 def cmd_compile(args):
-    from .compile import TARGETS, VERIFIED_ON, build, request_key, up_to_date
+    from .compile import VERIFIED_ON, build, request_key, up_to_date
 
-    targets = args.target
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown:
-        raise SystemExit(f"msa-iree compile: unknown target {unknown[0]!r}; expected one of {sorted(TARGETS)}")
-    bad = [l for l in args.layouts if l not in LAYOUT_STRIDES]
-    if bad:
-        raise SystemExit(f"msa-iree compile: --layouts: unknown layout {bad[0]!r}; expected {sorted(LAYOUT_STRIDES)}")
+    _check_compile_options(args)
     t0 = time.perf_counter()
-    for target in targets:
-        out = args.out if args.out and len(targets) == 1 else (f"{args.out}/{target}" if args.out else f"build/{target}")
+    for target in args.target:
+        out = args.out if args.out and len(args.target) == 1 else (f"{args.out}/{target}" if args.out else f"build/{target}")
+        try:
+            cfg = _config(args, target)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        from .ops import unbuilt_attends
+
+        for kernel, why in unbuilt_attends(cfg, target).items():
+            print(f"{target}: not building {kernel}: {why}; on {target} SparseAttention then serves this config "
+                  "with the portable attend (much slower on a GPU)")
         options = {k: v for k, v in vars(args).items() if k not in ("fn", "out", "target")}
         key = request_key(options, target)
         if not args.emit_mlir and up_to_date(out, key):
             print(f"{target}: {out}/manifest.json up to date ({VERIFIED_ON[target]})")
             continue
-        try:
-            cfg = _config(args, target)
-        except ValueError as e:
-            raise SystemExit(f"msa-iree compile: {e}")
-        manifest = build(cfg, [target], out, strides=[LAYOUT_STRIDES[l] for l in args.layouts],
+        manifest = build(cfg, [target], out, strides=[LAYOUT_STRIDES[lay] for lay in args.layouts],
                          decode_query_lens=args.decode_query_lens, emit_mlir=args.emit_mlir, request_key=key)[target]
         print(f"{target}: {manifest} ({VERIFIED_ON[target]})")
     print(f"done in {time.perf_counter() - t0:.1f} s")
 
 
+def _build_dir_of(path: str) -> pathlib.Path:
+    p = pathlib.Path(path)
+    if p.is_file() and p.name == "manifest.json":
+        return p.parent
+    if not (p / "manifest.json").is_file():
+        raise UsageError(f"{path}: expected a build directory (or its manifest.json) from msa-iree compile, "
+                         "found no manifest.json")
+    return p
+
+
 def cmd_inspect(args):
     from .inspect import format_report, kernel_report
 
-    try:
-        print(format_report(kernel_report(args.build_dir)))
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"msa-iree inspect: {e}")
+    print(format_report(kernel_report(_build_dir_of(args.build_dir))))
 
 
 def cmd_quickstart(args):
@@ -67,58 +97,76 @@ def cmd_quickstart(args):
     from . import reference, testing
     from .compile import build
     from .config import MsaConfig
-    from .inspect import format_report, kernel_report
+    from .inspect import format_report, kernel_report, summary
     from .runtime import KernelLibrary, MetadataBuilder, SparseAttention
 
     cfg = MsaConfig(num_heads=16, num_kv_heads=1, kv_dtype="fp8_e4m3fnuz")
-    print("== compiling the kernel set for gfx942 (MI300X; compiled and inspected, not run here)")
-    manifest = build(cfg, ["gfx942"], args.out)["gfx942"]
-    print(format_report(kernel_report(manifest.parent)))
-    print("== one decode step on the host CPU (fp8 e4m3fnuz KV, scale 0.37/1.9, TP4 heads) vs torch reference")
+    out = pathlib.Path(args.out or "build/gfx942")
+    print(f"== 1/2: the gfx942 (MI300X) kernel set into {out}: compiled and inspected here, never run (no AMD GPU)")
+    manifest = build(cfg, ["gfx942"], out, log=(print if args.verbose else lambda msg: None))["gfx942"]
+    report = kernel_report(manifest.parent)
+    print(format_report(report) if args.verbose else summary(report))
+    print("== 2/2: one fp8 e4m3fnuz decode step (16 heads, 1 KV head, k/v scale 0.37/1.9, 4 requests, one of them "
+          "graph padding) through the compiled host kernels, against the torch reference")
     case = testing.decode_case([4097, 129, 1, 0], kv_dtype=torch.float8_e4m3fnuz, seed=0)
-    lib = KernelLibrary("host")
+    lib = KernelLibrary("host", compile_missing=True, log=print)
     attn = SparseAttention(16, 1, 128, case.scale, torch.float8_e4m3fnuz, kernels=lib)
     builder = MetadataBuilder(max_num_seqs=8, max_model_len=8192, kernels=lib)
-    # 4 decode requests of one new token each; the last is graph padding (seq_len 0).
     md = builder.build(case.block_table.clamp(min=0), case.seq_lens, torch.arange(5, dtype=torch.int32),
                        (case.seq_lens - 1).clamp(min=0), decode_query_len=1, num_decodes=4)
-    out = torch.full_like(case.q, float("nan"))
-    attn.forward(case.q, case.k_cache, case.v_cache, out, case.topk, md, case.k_scale, case.v_scale)
-    ref = torch.empty_like(out)
+    out_t = torch.full_like(case.q, float("nan"))
+    attn.forward(case.q, case.k_cache, case.v_cache, out_t, case.topk, md, case.k_scale, case.v_scale)
+    ref = torch.empty_like(out_t)
     reference.sparse_attn_decode(case.q, case.k_cache, case.v_cache, case.topk, case.block_table, case.seq_lens, 1,
                                  case.scale, ref, case.k_scale, case.v_scale)
-    err = (out.float() - ref.float()).abs()
-    ok = bool(err.max() < 1.7e-2 and err.mean() < 2.5e-4 and not out.isnan().any())
-    print(f"max abs err {err.max():.3e}, mean abs err {err.mean():.3e}: {'OK' if ok else 'MISMATCH'}")
+    err = (out_t.float() - ref.float()).abs()
+    ok = bool(err.max() < 1.7e-2 and err.mean() < 2.5e-4 and not out_t.isnan().any())
+    print(f"max abs err {err.max():.2e} (bound 1.7e-2), mean {err.mean():.2e} (bound 2.5e-4): "
+          f"{'OK' if ok else 'MISMATCH'}")
     return 0 if ok else 1
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="msa-iree", description=__doc__)
+    p.add_argument("--version", action="version", version=f"msa-iree {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compile", help="build the kernel modules (vmfb + manifest.json) for targets")
-    c.add_argument("--target", type=_csv(str), default=["gfx942"],
-                   help="gfx942 (MI300X, default; compiled, not run here), host (llvm-cpu), cuda (sm_80; the e4m3fn mma attend sm_89); comma list")
+    c.add_argument("--target", type=_csv(str, "targets"), default=["gfx942"],
+                   help="gfx942 (MI300X, default; compiled, never run here), host (llvm-cpu), "
+                        "cuda (sm_80; the e4m3fn mma attend sm_89); a comma list")
     c.add_argument("--num-heads", type=int, default=16, help="query heads per rank (default 16 = MiniMax-M3 TP4)")
     c.add_argument("--num-kv-heads", type=int, default=1, help="KV heads per rank (default 1)")
-    c.add_argument("--kv-dtype", default="fp8", help="bf16, fp16, fp8 (the target's native: e4m3fnuz on gfx942), "
-                   "fp8_e4m3fnuz, fp8_e4m3fn (default fp8)")
+    c.add_argument("--kv-dtype", default="fp8", help="bf16, fp16, fp8 (the target's native: e4m3fnuz on gfx942, "
+                   "e4m3fn on cuda), fp8_e4m3fnuz, fp8_e4m3fn (default fp8)")
     c.add_argument("--query-dtype", default="bf16", help="bf16 or fp16 (default bf16)")
-    c.add_argument("--decode-query-lens", type=_csv(int), default=[1, 2, 3, 4],
-                   help="decode query lengths L to build (default 1,2,3,4)")
-    c.add_argument("--layouts", type=_csv(str), default=["interleaved", "planes"],
-                   help="cache layouts: interleaved (LBHNC, stride 16), planes (LHBNC, stride 8)")
+    c.add_argument("--decode-query-lens", type=_csv(int, "lengths"), default=[1, 2, 3, 4],
+                   help="decode query lengths L to build, 1..8 (default 1,2,3,4: decode and speculative decode)")
+    c.add_argument("--layouts", type=_csv(str, "layouts"), default=["interleaved", "planes"],
+                   help="cache layouts: interleaved (LBHNC, stride 16), planes (LHBNC, stride 8); default both")
     c.add_argument("--out", help="output directory (default build/<target>)")
-    c.add_argument("--emit-mlir", action="store_true", help="keep the exported MLIR under <out>/mlir")
+    c.add_argument("--emit-mlir", action="store_true", help="keep each kernel's MLIR under <out>/mlir")
     c.set_defaults(fn=cmd_compile)
     i = sub.add_parser("inspect", help="per-kernel gfx942 resources and dispatch counts of a build")
-    i.add_argument("build_dir")
+    i.add_argument("build_dir", help="a gfx942 build directory (or its manifest.json)")
     i.set_defaults(fn=cmd_inspect)
     q = sub.add_parser("quickstart", help="compile for gfx942, run one decode step on the host vs the reference")
     q.add_argument("--out", default=None, help="gfx942 build directory (default build/gfx942)")
+    q.add_argument("--verbose", action="store_true", help="print every kernel's line and the full ISA table")
     q.set_defaults(fn=cmd_quickstart)
-    args = p.parse_args(argv)
-    return args.fn(args) or 0
+    return p
+
+
+def main(argv=None):
+    # progress lines appear as they happen when the output is a pipe or a file, not at the end
+    sys.stdout.reconfigure(line_buffering=True)
+    args = parser().parse_args(argv)
+    from .compile import BuildMismatchError, CompileError
+
+    try:
+        return args.fn(args) or 0
+    except (UsageError, CompileError, BuildMismatchError, ValueError, FileNotFoundError) as e:
+        print(f"msa-iree {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -36,7 +36,11 @@ _SOURCES = ("ops/*.py", "ops/templates/*.j2", "layout.py", "config.py", "compile
 
 
 class CompileError(RuntimeError):
-    pass
+    """iree-compile failed, or a kernel was asked of a target it is not built for."""
+
+
+class BuildMismatchError(RuntimeError):
+    """A build directory that does not belong to this runtime (version, target, checksum, kernel)."""
 
 
 @functools.cache
@@ -121,6 +125,16 @@ def _atomic_write(path: pathlib.Path, data: bytes):
         raise
 
 
+def _cached_paths(spec, target: str, key: str):
+    stem = cache_dir() / target / f"{spec.name}.{key[:16]}"
+    return pathlib.Path(f"{stem}.vmfb"), pathlib.Path(f"{stem}.isa")
+
+
+def is_cached(spec, target: str, extra_flags=()) -> bool:
+    """Whether the content cache holds `spec`'s module for `target` (compiled_module would not compile)."""
+    return _cached_paths(spec, target, content_key(spec, target, extra_flags))[0].exists()
+
+
 def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=None, key=None):
     """(vmfb bytes, content key, cache_hit) through the shared content-addressed cache.
 
@@ -136,8 +150,7 @@ def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=No
         raise CompileError(f"{spec.name}: expected a target in {list(supported)}, got {target!r} "
                            "(a GPU-level kernel: llvm-cpu cannot lower gpu.thread_id)")
     key = key or content_key(spec, target, extra_flags)
-    stem = cache_dir() / target / f"{spec.name}.{key[:16]}"
-    cached, cached_isa = pathlib.Path(f"{stem}.vmfb"), pathlib.Path(f"{stem}.isa")
+    cached, cached_isa = _cached_paths(spec, target, key)
     mlir = export_mlir(spec) if mlir_dir is not None else None
     if mlir is not None:
         _atomic_write(pathlib.Path(mlir_dir) / f"{spec.name}.mlir", mlir.encode())

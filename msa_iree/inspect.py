@@ -93,16 +93,41 @@ COLUMNS = ("vgpr", "agpr", "scratch_bytes", "lds_bytes", "waves_per_simd", "mfma
            "global_load_x4")
 
 
+def _aggregate(k) -> dict:
+    """A kernel's row: the worst dispatch for resources, the lowest occupancy, summed instruction counts."""
+    fs = k["functions"]
+    return {c: (max if c in ("vgpr", "agpr", "scratch_bytes", "lds_bytes") else min if c == "waves_per_simd" else sum)(
+        f[c] for f in fs) for c in COLUMNS}
+
+
 def format_report(report) -> str:
-    head = f"{'kernel':58} {'disp':>4} " + " ".join(f"{c[:9]:>9}" for c in COLUMNS)
+    width = max([len("kernel")] + [len(k["kernel"]) for k in report])
+    head = f"{'kernel':{width}} {'disp':>4} " + " ".join(f"{c[:9]:>9}" for c in COLUMNS)
     lines = [head, "-" * len(head)]
     for k in report:
-        fs = k["functions"]
-        if not fs:
-            lines.append(f"{k['kernel']:58} {'?':>4}  (no ISA dump: rebuild with msa-iree compile --target gfx942)")
+        if not k["functions"]:
+            lines.append(f"{k['kernel']:{width}} {'?':>4}  (no ISA dump: rebuild with msa-iree compile --target gfx942)")
             continue
-        agg = {c: (max if c in ("vgpr", "agpr", "scratch_bytes", "lds_bytes") else min if c == "waves_per_simd" else sum)(
-            f[c] for f in fs) for c in COLUMNS}
-        lines.append(f"{k['kernel']:58} {k['dispatches']:>4} " + " ".join(f"{agg[c]:>9}" for c in COLUMNS))
+        agg = _aggregate(k)
+        lines.append(f"{k['kernel']:{width}} {k['dispatches']:>4} " + " ".join(f"{agg[c]:>9}" for c in COLUMNS))
     lines.append("vgpr/agpr/scratch/lds: worst dispatch; waves: lowest; instruction counts: summed over dispatches.")
+    return "\n".join(lines)
+
+
+def summary(report) -> str:
+    """A few lines: how many kernels, whether any spills, and the served GPU kernels' headline
+    resources (the full table: format_report, `msa-iree inspect`)."""
+    dumped = [k for k in report if k["functions"]]
+    spilling = [k["kernel"] for k in dumped if _aggregate(k)["scratch_bytes"]]
+    lines = [f"{len(report)} kernels, {sum(k['dispatches'] for k in dumped)} dispatches; "
+             f"{len(spilling)} with scratch (register spills){': ' + ', '.join(spilling) if spilling else ''}"]
+    for k in dumped:
+        kernel = k["kernel"].split(".")[0]
+        if kernel in ("sparse_attn_decode_mfma", "sparse_attn_prefill_mfma", "insert_kv_gpu") and ".s16" in k["kernel"] \
+                and (".L1." in k["kernel"] or "decode" not in kernel):
+            a = _aggregate(k)
+            lines.append(f"  {kernel} (interleaved cache{', L=1' if 'decode' in kernel else ''}): {k['dispatches']} "
+                         f"dispatches, {a['vgpr']} VGPR, {a['agpr']} AGPR, {a['scratch_bytes']} B scratch, "
+                         f"{a['waves_per_simd']} waves/SIMD, {a['mfma']} MFMA, {a['global_load_x4']} 16-byte loads")
+    lines.append("full table: msa-iree inspect <build dir>")
     return "\n".join(lines)

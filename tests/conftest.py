@@ -11,4 +11,4 @@ os.environ.setdefault("MSA_IREE_CACHE", str(pathlib.Path(__file__).resolve().par
 def host_kernels():
     from msa_iree.runtime import KernelLibrary
 
-    return KernelLibrary("host", log=lambda msg: None)
+    return KernelLibrary("host", compile_missing=True, log=lambda msg: None)

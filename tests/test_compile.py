@@ -66,18 +66,59 @@ def test_interrupted_build_leaves_no_vouched_garbage(tmp_path, monkeypatch):
         assert f.stat().st_size > 0
 
 
-def test_cli_rejects_unknown_target_and_bad_options(capsys):
-    with pytest.raises(SystemExit, match="unknown target 'gfx1100'"):
-        main(["compile", "--target", "gfx1100"])
-    with pytest.raises(SystemExit, match="num_heads"):
-        main(["compile", "--target", "host", "--num-heads", "15", "--num-kv-heads", "2"])
-    with pytest.raises(SystemExit, match="unknown dtype"):
-        main(["compile", "--target", "host", "--kv-dtype", "int4"])
+@pytest.mark.parametrize("argv, message", [
+    (["compile", "--target", "gfx1100"], "--target: expected one of ['cuda', 'gfx942', 'host'], got 'gfx1100'"),
+    (["compile", "--target", "host", "--num-heads", "15", "--num-kv-heads", "2"],
+     "MsaConfig.num_heads: expected a positive multiple of num_kv_heads=2, got 15"),
+    (["compile", "--target", "host", "--kv-dtype", "int4"], "unknown dtype 'int4'"),
+    (["compile", "--target", "host", "--decode-query-lens", "0"], "--decode-query-lens: expected decode query "
+                                                                  "lengths in 1..8, got [0]"),
+    (["compile", "--target", "host", "--layouts", "nhd"], "--layouts: expected ['interleaved', 'planes'], got 'nhd'"),
+    (["inspect", "no/such/build"], "no/such/build: expected a build directory (or its manifest.json)"),
+])
+def test_cli_user_errors_are_one_line_and_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"msa-iree {argv[0]}: error: ") and message in err, err
 
 
-def test_cli_entry_point_runs():
-    r = subprocess.run([sys.executable, "-m", "msa_iree.cli", "--help"], capture_output=True, text=True)
-    assert r.returncode == 0 and "compile" in r.stdout and "inspect" in r.stdout
+def test_cli_names_the_attend_families_a_head_count_cannot_build(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(C, "build", lambda *a, **k: {"cuda": tmp_path / "manifest.json"})  # no compile needed
+    assert main(["compile", "--target", "cuda", "--num-heads", "7", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for kernel in ("sparse_attn_decode_fma", "sparse_attn_decode_mma"):
+        assert f"cuda: not building {kernel}: num_heads / num_kv_heads: expected one of (8, 16)" in out
+
+
+def test_cli_entry_points_run():
+    for argv in (["-m", "msa_iree", "--help"], ["-m", "msa_iree.cli", "--help"]):
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True)
+        assert r.returncode == 0 and "compile" in r.stdout and "inspect" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "msa_iree", "--version"], capture_output=True, text=True)
+    from msa_iree import __version__
+    assert r.returncode == 0 and r.stdout.strip() == f"msa-iree {__version__}"
+
+
+def test_inspect_takes_the_manifest_path_too(tmp_path, capsys):
+    spec = K.InsertKvGpuSpec(CFG, 16)
+    C.build(CFG, ["gfx942"], tmp_path, specs=[spec], log=lambda m: None)
+    assert main(["inspect", str(tmp_path / "manifest.json")]) == 0
+    assert spec.name in capsys.readouterr().out
+
+
+def test_the_content_cache_serves_a_new_output_directory(tmp_path):
+    """A second build of the same kernels into another directory compiles nothing (vmfb and, for
+    gfx942, the ISA dump come from the cache) and leaves the same files."""
+    specs = [K.RebaseSlotsSpec(CFG), K.InsertKvGpuSpec(CFG, 16)]
+    C.build(CFG, ["gfx942"], tmp_path / "a", specs=specs, log=lambda m: None)
+    logs = []
+    C.build(CFG, ["gfx942"], tmp_path / "b", specs=specs, log=logs.append)
+    assert all(": cached (" in line for line in logs), logs
+    for spec in specs:
+        a, b = (sorted(p.relative_to(d) for p in (d / "isa" / spec.name).rglob("*"))
+                for d in (tmp_path / "a", tmp_path / "b"))
+        assert a == b and a
+        assert (tmp_path / "a" / f"{spec.name}.vmfb").read_bytes() == (tmp_path / "b" / f"{spec.name}.vmfb").read_bytes()
 
 
 def test_request_key_short_circuit(tmp_path):

@@ -143,7 +143,7 @@ def test_insert_rejects_slots_beyond_cache(host_kernels):
 def test_insert_kv_unit_scale_is_made_once_per_device():
     """A 16-bit cache's scale operand (ones) is one tensor per library and device, handed out as
     [H, 1] views: insert_kv allocates nothing (queues no fill kernel) per call for it."""
-    lib = KernelLibrary("host")
+    lib = KernelLibrary("host", compile_missing=True)
     cpu = torch.device("cpu")
     two, four = lib.unit_scale(2, cpu), lib.unit_scale(4, cpu)
     assert two.shape == (2, 1) and four.shape == (4, 1) and two.dtype == torch.float32
@@ -170,8 +170,24 @@ def test_mismatched_builds_are_refused(tmp_path):
     (tmp_path / m["kernels"][spec.name]["file"]).write_bytes(b"garbage")
     with pytest.raises(BuildMismatchError, match="sha256"):
         KernelLibrary("host", tmp_path).function(spec)
-    with pytest.raises(BuildMismatchError, match="expected kernel"):
-        KernelLibrary("host", tmp_path, compile_missing=False).function(K.RebaseBlockTableSpec(MsaConfig()))
+    missing = K.RebaseBlockTableSpec(MsaConfig())
+    with pytest.raises(BuildMismatchError, match=f"expected kernel {missing.name} in the manifest, got none; build it "
+                       f"with `msa-iree compile --target host --num-heads 16 --num-kv-heads 1 --kv-dtype bf16 "
+                       f"--query-dtype bf16 --out {tmp_path}`"):
+        KernelLibrary("host", tmp_path).function(missing)  # no compilation unless asked for
+
+
+def test_on_demand_compilation_says_so_only_when_it_compiles(tmp_path, monkeypatch):
+    from msa_iree import ops as K
+    from msa_iree.config import MsaConfig
+
+    monkeypatch.setenv("MSA_IREE_CACHE", str(tmp_path / "cache"))
+    said = []
+    spec = K.RebaseSlotsSpec(MsaConfig())
+    KernelLibrary("host", compile_missing=True, log=said.append).function(spec)
+    assert len(said) == 1 and said[0].startswith(f"msa-iree: compiling {spec.name} for host on demand")
+    KernelLibrary("host", compile_missing=True, log=said.append).function(spec)  # a cache hit
+    assert len(said) == 1
 
 
 def test_an_fp8_hardware_kernel_on_an_older_gpu_is_refused_by_name(monkeypatch):

@@ -18,12 +18,8 @@ import numpy as np
 import torch
 import torch.utils.dlpack
 
-from ..compile import DRIVERS, check_target, runtime_version
+from ..compile import DRIVERS, BuildMismatchError, check_target, runtime_version
 from ..ops import KernelSpec
-
-
-class BuildMismatchError(RuntimeError):
-    """A build directory that does not belong to this runtime (version, target, checksum)."""
 
 
 # ---- torch <-> IREE --------------------------------------------------------------------------
@@ -79,15 +75,29 @@ def _current_raw_stream(device_index: int) -> int:
 # ---- module loading --------------------------------------------------------------------------
 
 
+def build_command(spec: KernelSpec, target: str, out=None) -> str:
+    """The `msa-iree compile` command whose kernel set holds `spec`."""
+    c = spec.cfg
+    cmd = [f"msa-iree compile --target {target} --num-heads {c.num_heads} --num-kv-heads {c.num_kv_heads} "
+           f"--kv-dtype {c.kv_dtype} --query-dtype {c.query_dtype}"]
+    if c.decode_query_len not in (1, 2, 3, 4):
+        cmd.append(f"--decode-query-lens 1,2,3,4,{c.decode_query_len}")
+    if out is not None:
+        cmd.append(f"--out {out}")
+    return " ".join(cmd)
+
+
 class KernelLibrary:
     """The compiled kernels of one target on one IREE device, loaded from a build directory.
 
-    A kernel missing from the build is compiled on demand into the shared cache (with a message
-    naming the `msa-iree compile` command that prebuilds it).
+    build_dir: what `msa-iree compile --target <target> --out <build_dir>` wrote. A kernel the
+    build lacks is an error naming the command that builds it, unless compile_missing=True: then
+    it is compiled on first use (seconds to a minute each) into the shared content cache
+    (MSA_IREE_CACHE), which is what a library without a build directory needs.
 
     stream_launch (cuda): kernels that write in place and whose build saved a launch plan (every
     cuda build of `msa-iree compile` does) are launched on torch's current stream by
-    msa_iree.launch, queued rather than waited for, and capturable by CUDA graphs; False calls
+    runtime/cuda_launch.py, queued rather than waited for, and capturable by CUDA graphs; False calls
     them through IREE's runtime, which runs them on its own stream and waits for them.
     dependent_launch (stream launches): launch each kernel as a programmatic dependent launch, its
     launch overlapping the previous kernel's tail; None (default): where the GPU has them (sm_90+).
@@ -98,7 +108,7 @@ class KernelLibrary:
 
     _devices: dict[str, object] = {}
 
-    def __init__(self, target: str = "host", build_dir=None, *, compile_missing=True, log=None,
+    def __init__(self, target: str = "host", build_dir=None, *, compile_missing=False, log=None,
                  stream_launch: bool = True, dependent_launch: bool | None = None, l2_evict_first: bool = True):
         self.target = check_target(target)
         self.driver = DRIVERS[target]
@@ -171,15 +181,17 @@ class KernelLibrary:
         if entry is not None:
             vmfb = self._verified(entry)
         elif self.compile_missing:
-            from ..compile import compiled_module
+            from ..compile import compiled_module, is_cached
 
-            self.log(f"msa-iree: compiling {spec.name} for {self.target} on demand "
-                     f"(prebuild with: msa-iree compile --target {self.target} "
-                     f"--num-heads {spec.cfg.num_heads} --num-kv-heads {spec.cfg.num_kv_heads} "
-                     f"--kv-dtype {spec.cfg.kv_dtype})")
+            if not is_cached(spec, self.target):
+                self.log(f"msa-iree: compiling {spec.name} for {self.target} on demand (prebuild the set with: "
+                         f"{build_command(spec, self.target)})")
             vmfb, _, _ = compiled_module(spec, self.target)
         else:
-            raise BuildMismatchError(f"{self.build_dir}: expected kernel {spec.name} in the manifest, got none")
+            where = f"{self.build_dir}: expected kernel {spec.name} in the manifest" if self.build_dir else \
+                f"kernel {spec.name}: expected a build directory that holds it"
+            raise BuildMismatchError(f"{where}, got none; build it with `{build_command(spec, self.target, self.build_dir)}` "
+                                     "(or make the library with compile_missing=True)")
         ctx = rt.SystemContext(config=self.config)
         ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
         return ctx.modules.module
