@@ -9,9 +9,9 @@ Times each step of the call path separately (median of many, host clock, the dev
 start of each timed call): the DLPack export and IREE import of one tensor, the torch stream
 sync, the module invocation on prebuilt buffer views (kernel + IREE's own cost: IREE's sync
 invocation waits for the result), `lib.run` (imports + invocation) and the whole `forward`
-(checks + imports + invocation). Kernel time comes from `msa-iree bench`.
+(checks + imports + invocation). Kernel time comes from `python -m benchmarks.bench`.
 
-    python3 tools/call_overhead.py --build-dir .devbuild/cuda [--batch 64] [--heads 16]
+    python3 -m benchmarks.call_overhead --build-dir .devbuild/cuda [--batch 64] [--heads 16]
 """
 import argparse
 import statistics

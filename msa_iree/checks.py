@@ -53,7 +53,7 @@ def check_out(out, q):
 
 
 def check_kv_cache(k_cache, v_cache, num_kv_heads, kv_dtype=None):
-    """The SHUFFLE page-16 views of SPEC §2.3."""
+    """The SHUFFLE page-16 views (docs/SPEC.md, the KV cache)."""
     check_dtype("k_cache", k_cache, tuple(DTYPES.values()) if kv_dtype is None else kv_dtype)
     check_dtype("v_cache", v_cache, k_cache.dtype)
     x = elements_per_16_bytes(k_cache.dtype)

@@ -1,4 +1,4 @@
-"""The SHUFFLE page-16 KV-cache layout of AITER (SPEC §2), and fp8 quantization.
+"""The SHUFFLE page-16 KV-cache layout of AITER (docs/SPEC.md, the KV cache), and fp8 quantization.
 
 A vLLM block holds 128 tokens of K and 128 tokens of V for every KV head. AITER addresses it as
 16-token pages through two strided views of one buffer:

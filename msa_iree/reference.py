@@ -1,8 +1,8 @@
-"""Torch eager reference of MiniMax-M3 sparse attention on the AITER page-16 path (SPEC §2-6).
+"""Torch eager reference of MiniMax-M3 sparse attention on the AITER page-16 path (docs/SPEC.md).
 
 This module is the statement of the semantics every compiled kernel is tested against. It is
 written to be read: short functions, fp32 math, no cleverness. Names and argument orders are
-the system's own (SPEC §4-5).
+vLLM's own (docs/SPEC.md cites its files).
 
 Shapes (T query tokens, Hq query heads, H KV heads, K = top-k = 16, R = T * H table rows):
     q            [T, Hq, 128] bf16/fp16
@@ -22,7 +22,7 @@ from .layout import (BLOCK_SIZE, HEAD_DIM, PAGE_SIZE, PAGES_PER_BLOCK, block_pag
                      elements_per_16_bytes, is_fp8, logical_slots_of_pages,
                      quantize_fp8, sides_are_packed)
 
-# ---- page-16 rebases (SPEC §2.4) ------------------------------------------------------------
+# ---- the page-16 rebase ---------------------------------------------------------------------
 
 
 def rebase_block_table_to_page16(block_table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,7 +40,7 @@ def rebase_slots_to_page16(slot_mapping: torch.Tensor) -> torch.Tensor:
     return torch.div(slot_mapping.clamp(min=0), BLOCK_SIZE, rounding_mode="floor") * BLOCK_SIZE + slot_mapping
 
 
-# ---- per-token positions (SPEC §3.3, §5) ----------------------------------------------------
+# ---- per-token positions ---------------------------------------------------------------------
 
 
 def query_token_positions(cu_seqlens_q: torch.Tensor, prefix_lens: torch.Tensor, total_q: int):
@@ -59,11 +59,11 @@ def decode_token_positions(seq_lens: torch.Tensor, decode_query_len: int):
     return req.int(), abs_pos.int()
 
 
-# ---- sparse page table (SPEC §3.2) ----------------------------------------------------------
+# ---- the sparse page table -------------------------------------------------------------------
 
 
 def _build_sparse_rows(topk, block_table, req_id, abs_pos, block_page_stride):
-    """The per-row algorithm of SPEC §3.2, for every (token, KV head) row at once."""
+    """The per-row algorithm (docs/SPEC.md, the sparse page table), for every row at once."""
     num_kv_heads, num_tokens, k = topk.shape
     blocks = topk.permute(1, 0, 2).reshape(-1, k).long()                 # [R, K], row = t*H + h
     head = torch.arange(num_kv_heads, device=topk.device).repeat(num_tokens)  # [R]
@@ -117,7 +117,7 @@ def build_sparse_block_table_prefill(topk, block_table, query_req_id, query_abs_
     return _build_sparse_rows(topk, block_table, query_req_id, query_abs_pos, block_page_stride)
 
 
-# ---- attend over the sparse page table (SPEC §4-5) ------------------------------------------
+# ---- the attend over the sparse page table --------------------------------------------------
 
 
 def _gather_tokens(cache, ids, kind):
@@ -193,7 +193,7 @@ def _check_table_ids(sparse_bt, k_cache, v_cache, num_kv_heads):
 def sparse_attn_decode(q, k_cache, v_cache, topk, block_table, seq_lens, num_kv_heads, scale, out,
                        k_scale=None, v_scale=None, decode_query_len=1, sparse_block_table=None,
                        sparse_context_lens=None, *, kv_cache_dtype=None):
-    """Decode attend (SPEC §4): uniform L new tokens per request, rows built per §3.3.
+    """Decode attend: uniform L new tokens per request (docs/SPEC.md, rows to requests and positions).
 
     kv_cache_dtype, when given, is the dtype the cache was declared with; a cache of any other
     dtype (e4m3fn bytes where e4m3fnuz was declared, say) is refused.
@@ -211,7 +211,7 @@ def sparse_attn_decode(q, k_cache, v_cache, topk, block_table, seq_lens, num_kv_
 def sparse_attn_prefill(q, k_cache, v_cache, topk, block_table, query_req_id, query_abs_pos, num_kv_heads,
                         scale, out, k_scale=None, v_scale=None, sparse_bt=None, sparse_ctx=None, *,
                         kv_cache_dtype=None):
-    """(Chunked) prefill attend (SPEC §5): ragged requests through per-token req id / position."""
+    """(Chunked) prefill attend: ragged requests through per-token request id and position."""
     _check_attend_args(q, k_cache, v_cache, topk, num_kv_heads, out, k_scale, v_scale, kv_cache_dtype)
     rows = q.shape[0] * num_kv_heads
     if not checks.check_sparse_table(sparse_bt, sparse_ctx, rows, topk.shape[2]):
@@ -222,7 +222,7 @@ def sparse_attn_prefill(q, k_cache, v_cache, topk, block_table, query_req_id, qu
                                k_scale, v_scale)
 
 
-# ---- the second formulation: mask over a logical cache, straight from SPEC §1.4 -------------
+# ---- the second formulation: the formula itself, a mask over a logical cache ---------------
 
 
 def masked_sparse_attention(q, k, v, topk, block_table, query_req_id, query_abs_pos, num_kv_heads, scale,
@@ -267,7 +267,7 @@ def _scale_at(scale, head, slot):
 
 
 def insert_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, *, kv_cache_dtype=None):
-    """Write new tokens' K/V into the SHUFFLE page-16 views in place (SPEC §2.4, §6).
+    """Write new tokens' K/V into the SHUFFLE page-16 views in place (docs/SPEC.md, the KV insert).
 
     key, value: [N, H, 128] bf16/fp16; slot_mapping: [N] logical slots (block * 128 + offset),
     negative = skip. fp8 caches store fp8(x / scale) (scalar or per-token [H, slots] scale).

@@ -1,6 +1,7 @@
 """The benchmark harness on the CPU: its generated cases are what the protocol says (every row
 sees 16 blocks with its own block among them, rotations map into the pool, fp8 bytes are finite),
 a host run checks the output against the reference, and a recorded run prints back."""
+import pytest
 import torch
 
 from benchmarks import bench
@@ -47,8 +48,24 @@ def test_host_run_checks_against_the_reference(monkeypatch, host_kernels):
     monkeypatch.setattr(bench, "POOL_BYTES", 1 << 20)
     row = bench.bench_decode(host_kernels, torch.device("cpu"), batch=2, context=300, L=1, num_heads=16,
                              kv_name="fp8_e4m3fnuz", iters=2, rotations=1)
-    assert row["kernel"] == "portable" and row["max_abs_err"] < 1.7e-2 * max(1.0, row["ref_max_abs"] / 4)
-    assert row["forward_us"] > 0 and row["torch_us"] > 0
+    assert row["kernel"] == "portable" and row["forward_us"] > 0 and row["torch_us"] > 0
+
+
+def test_a_wrong_output_is_not_benchmarked(monkeypatch, host_kernels):
+    """The harness times nothing whose output differs from the reference: with the reference
+    perturbed (as a wrong kernel would differ from it), the case raises instead of reporting."""
+    real = bench.reference.sparse_paged_attend
+
+    def off_by_one(*args):
+        out = real(*args)
+        out += 1.0
+        return out
+
+    monkeypatch.setattr(bench, "POOL_BYTES", 1 << 20)
+    monkeypatch.setattr(bench.reference, "sparse_paged_attend", off_by_one)
+    with pytest.raises(RuntimeError, match="differs from the reference"):
+        bench.bench_decode(host_kernels, torch.device("cpu"), batch=2, context=300, L=1, num_heads=16,
+                           kv_name="bf16", iters=1, rotations=1)
 
 
 def test_host_prefill_row_checks_against_the_reference(host_kernels):
@@ -57,7 +74,6 @@ def test_host_prefill_row_checks_against_the_reference(host_kernels):
     row = bench.bench_prefill(host_kernels, torch.device("cpu"), "fp8_e4m3fnuz", iters=1, q_len=5, context=300,
                               num_heads=16)
     assert row["phase"] == "prefill" and row["kernel"] == "portable"
-    assert row["max_abs_err"] < 1.7e-2 * max(1.0, row["ref_max_abs"] / 4)
     assert row["kernel_us"] == row["forward_us"] > 0 and row["torch_us"] > 0
     assert row["GBps"] > 0 and row["kv_MB"] > 0
 

@@ -64,8 +64,8 @@ class AttendTuning:
 TUNING = {
     "fma": AttendTuning(),
     "mma": AttendTuning(
-        # a workgroup per row up to 4 splits (>= 33 rows), two at exactly 4 (4 heads a thread's
-        # vector): the merge 1.87 -> 1.60 us at TP4 bf16 B=64
+        # a workgroup per row up to 4 splits (>= 33 rows), two at exactly 4: a row's partials
+        # are read by one workgroup, and at 4 splits two of them keep more of the GPU busy
         merge_rows_splits=4, merge_row_parts=2,
         # up to 1024 columns (128K tokens) the page ids wait on one global load, not two in a chain
         bt_preload=1024,
@@ -73,9 +73,9 @@ TUNING = {
         # one workgroup per SM, 1.3x slower
         min_ctas_per_sm=2,
         hw_fp8=True,          # e4m3fn: cvt.rn.f16x2.e4m3x2 (sm_89+)
-        async_kv_fp8=True,    # fp8 B=64 20.0 -> 17.7 us; for bf16 (64 KiB of LDS) slower
-        early_v=True,         # prefill bf16 552 -> 532 us
-        q_first=True,         # fp8 B=64 14.85 -> 14.1 us; bf16 (raw q) slower: fp8 only
+        async_kv_fp8=True,    # fp8 only: bf16's staging takes 64 KiB of LDS and was slower
+        early_v=True,         # V's loads in flight during the softmax
+        q_first=True,         # fp8 only (mma.q_first_applies): bf16's raw q early was slower
     ),
     "mfma": AttendTuning(
         splits_fp8=SPLITS_AT_MOST_8,
