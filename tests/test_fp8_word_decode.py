@@ -1,4 +1,4 @@
-"""The GPU attend's fp8 decode (kernels_mlir/fp8_word_decode.j2), compiled for the host CPU from
+"""The GPU attend's fp8 decode (msa_iree/ops/templates/fp8_word_decode.j2), compiled for the host CPU from
 the same template text the mma kernel includes, against torch's own fp8 decode: every byte value
 in every position of the word, plus seeded random words. Four bytes decode into two f16 pairs,
 bytes (0, 2) and (1, 3), each value times 2^-8 (e4m3fn) or 2^-7 (e4m3fnuz); NaN codes to NaN.

@@ -2,7 +2,7 @@
 
 These tests need an NVIDIA GPU, the iree-base-runtime cuda driver and prebuilt cuda modules
 (`python tools/build_gpu_tests.py --out DIR`, then MSA_IREE_CUDA_BUILD=DIR): the CPU CI has none
-of them, so there they are skipped with the reason; tools/PERF.md records their last GPU run.
+of them, so there they are skipped with the reason; benchmarks/results/gpu-tests.json records their last GPU run.
 """
 import functools
 import os
@@ -27,7 +27,7 @@ BUILD = pathlib.Path(os.environ.get("MSA_IREE_CUDA_BUILD", pathlib.Path(__file__
 @functools.cache
 def _library_or_reason():
     if not torch.cuda.is_available():
-        return "no CUDA GPU on this machine (GPU-level kernels are tested on an NVIDIA GPU; see tools/PERF.md)"
+        return "no CUDA GPU on this machine (GPU-level kernels are tested on an NVIDIA GPU; see tools/GPU.md)"
     try:
         import iree.runtime as rt
 
@@ -374,7 +374,7 @@ def _lift_to_the_top(c, dtype, nan_code):
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
 @pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
 def test_page_ids_past_16_bits_and_byte_offsets_past_2_31(cuda_kernels, matrix, kv):
-    """ANCHORS bug 2 (page ids >= 65,536 and byte offsets >= 2^31 silently truncated: aiter #3062,
+    """A bug users of AITER hit (page ids >= 65,536 and byte offsets >= 2^31 silently truncated: aiter #3062,
     ATOM #702): the rows' blocks at the top of a cache of more than 2 GiB, everything else NaN;
     the attend's output is the reference's over the small cache they came from."""
     dtype = DTYPES[kv]
@@ -394,7 +394,7 @@ def test_page_ids_past_16_bits_and_byte_offsets_past_2_31(cuda_kernels, matrix, 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
 def test_the_insert_writes_past_2_31_bytes(cuda_kernels, kv):
-    """ANCHORS bug 2 for the KV insert: slots in blocks past 2^31 bytes of the cache get exactly the
+    """The same truncation bug for the KV insert: slots in blocks past 2^31 bytes of the cache get exactly the
     reference's bytes (written into the small cache those blocks came from); nothing else changes."""
     from msa_iree.runtime import insert_kv
 

@@ -177,7 +177,7 @@ def _entry_ptx(tmp_path, spec, entry="split"):
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
 def test_mma_split_ptx_keeps_its_fast_paths(tmp_path, kv):
-    """What the H200 numbers in tools/PERF.md rest on, checked in the generated PTX so that a
+    """What the H200 numbers in benchmarks/PERF.md rest on, checked in the generated PTX so that a
     template or IREE change cannot drop it silently: exp as one ex2.approx (not the polynomial
     IREE's MathTransform expands math.exp into for CUDA: its ln 2 high part 0xBF318000), 48
     mma.sync (QK 16 + PV 16, PV twice: tail block masked, full blocks not); for e4m3fn the sm_89
@@ -196,7 +196,7 @@ def test_mma_split_ptx_keeps_its_fast_paths(tmp_path, kv):
     assert before_page_ids.count("ld.global.nc.v4.b32") == (4 if kv == "bf16" else 12)
     # the page ids (between the first two barriers) take no register that both an LDS and a
     # global load write: ptxas waited for such a merged value on the global load's scoreboard,
-    # which q's loads share (fp8 B=8 7.05 -> 6.70 us, B=64 14.15 -> 13.8 once gone, tools/PERF.md)
+    # which q's loads share (fp8 B=8 7.05 -> 6.70 us, B=64 14.15 -> 13.8 once gone, benchmarks/PERF.md)
     page_ids = split.split("bar.sync")[1]
     written = lambda op: set(re.findall(op + r"[.\w]*\s+(%r\d+),", page_ids))
     assert written("ld.global") and written("ld.shared")
@@ -214,7 +214,7 @@ def test_mma_merge_ptx_weighs_splits_with_single_instructions(tmp_path, kv):
     """The CUDA @merge's split weights exp(m - max) are one ex2.approx each and 1 / l one
     rcp.approx: math.exp became IREE's polynomial (its ln 2 high part 0xBF318000) and the f32
     division div.rn.f32 a slow-path branch, @merge 1.73 -> 1.63 us at fp8 B=64 and 2.34 -> 1.98
-    at B=8 on the H200 (tools/PERF.md)."""
+    at B=8 on the H200 (benchmarks/PERF.md)."""
     _, merge = _entry_ptx(tmp_path, K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv), 16), "merge")
     # a weight per split in each of @merge's forms: a row (2 and 4 splits; 4 in two parts), a
     # head pair (8, 16 splits), and the one-split case LLVM may fold

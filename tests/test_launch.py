@@ -82,7 +82,7 @@ def test_plans_pass_what_the_ptx_takes(build):
             assert (len(bindings), len(constants)) == (pointers, words), name
             assert all(0 <= k < 11 for k, _ in bindings)
     # the mma split's LDS: row maxima 16 x 8 f32, P fragments 8 x 32 x 4 i32, the block table 16
-    # index + 16 i32 (kernels_mlir/mma_split.j2, the template's TB/TK), the staged block-table row
+    # index + 16 i32 (templates/mma_split.j2, the template's TB/TK), the staged block-table row
     # (the tuning's bt_preload i32)
     vmfb = (out / kernels[MMA.name]["file"]).read_bytes()
     assert shared_bytes(vmfb, (256, 1, 1)) == 16 * 8 * 4 + 8 * 32 * 4 * 4 + 16 * 8 + 16 * 4 + MMA.tuning.bt_preload * 4

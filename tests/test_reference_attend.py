@@ -1,4 +1,4 @@
-"""The two reference formulations (virtual sequences over SHUFFLE pages vs. the SPEC §1.4 mask
+"""The two reference formulations (virtual sequences over SHUFFLE pages vs. the formula of docs/SPEC.md as a mask
 over a logical cache) agree; scales, dtypes and bad inputs behave."""
 import pytest
 import torch

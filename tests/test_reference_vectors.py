@@ -1,4 +1,4 @@
-"""Hand-worked vectors: SPEC §2.4 and §3.4 exactly, plus vectors worked out here by the §3.2 rule."""
+"""Hand-worked vectors: those of docs/SPEC.md (vLLM's own test vectors), plus vectors worked out here by its sparse page table rule."""
 import pytest
 import torch
 
@@ -37,7 +37,7 @@ def test_padded_decode_rows_spec_vector():
 
 
 def test_spec_decode_l4_vector():
-    # Worked by hand from SPEC §3.2: seq_lens [260, 132, 0], L = 4 -> positions 256..259, 128..131, padded.
+    # Worked by hand from the rule (docs/SPEC.md, the sparse page table): seq_lens [260, 132, 0], L = 4 -> positions 256..259, 128..131, padded.
     topk = i32([[[2, 0, -1], [3, 1, 2], [-1, 2, 1], [0, 1, -1],
                  [1, 0, 5], [0, -1, -1], [1, -1, -1], [-1, -1, -1],
                  [0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 1, 2]]])

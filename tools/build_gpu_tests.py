@@ -1,17 +1,21 @@
-"""Compile the cuda modules that tests/test_gpu.py and `msa-iree bench` call, into one build dir.
+"""Compile the cuda modules that tests/test_gpu.py and the benchmark call, into one build dir.
 
 Run here (the compiler lives on the CPU machine), then carry the directory to the GPU machine:
 
     python tools/build_gpu_tests.py --out .devbuild/cuda
     # on the GPU machine (see tools/GPU.md):
     MSA_IREE_CUDA_BUILD=.devbuild/cuda python -m pytest -q tests/test_gpu.py
-    python -m msa_iree.cli bench --build-dir .devbuild/cuda --json bench.json --plot bench.png
+    python -m benchmarks.bench --build-dir .devbuild/cuda --json bench.json --plot bench.png
 """
 import argparse
+import pathlib
+import sys
 
-from benchmarks.bench import bench_specs
-from msa_iree.compile import build
-from msa_iree.testing import gpu_test_specs
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent / d) for d in ("", "tests")]
+
+from benchmarks.bench import bench_specs  # noqa: E402
+from gpu_cases import gpu_test_specs  # noqa: E402
+from msa_iree.compile import build  # noqa: E402
 
 
 def main():

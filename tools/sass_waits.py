@@ -7,8 +7,8 @@ sets (W0-W5), the one its source reads release (R0-R5), and the scoreboards it w
     python3 tools/sass_waits.py split.sass --loads         # global/shared memory ops, barriers, waits
 
 Why: ptxas has six scoreboards a warp. Loads that share one are waited for together, so a
-value that only needs the top-k row can end up waiting for q's loads (tools/PERF.md, eleventh
-session: the page ids waited ~1 us for q that way). How to get the SASS: tools/GPU.md.
+value that only needs the top-k row can end up waiting for q's loads (the attend's page ids once
+waited ~1 us for q that way). How to get the SASS: tools/GPU.md.
 """
 import argparse
 import re
