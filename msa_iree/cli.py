@@ -112,8 +112,11 @@ def cmd_quickstart(args):
     lib = KernelLibrary("host", compile_missing=True, log=print)
     attn = SparseAttention(16, 1, 128, case.scale, torch.float8_e4m3fnuz, kernels=lib)
     builder = MetadataBuilder(max_num_seqs=8, max_model_len=8192, kernels=lib)
-    md = builder.build(case.block_table.clamp(min=0), case.seq_lens, torch.arange(5, dtype=torch.int32),
-                       (case.seq_lens - 1).clamp(min=0), decode_query_len=1, num_decodes=4)
+    # the fourth request is padding (query length 0, seq_len 0: vLLM's CUDA-graph padding), its token
+    # counted in num_actual_tokens
+    md = builder.build(case.block_table.clamp(min=0), case.seq_lens, torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32),
+                       torch.tensor([4096, 128, 0, 0], dtype=torch.int32), decode_query_len=1, num_decodes=4,
+                       num_actual_tokens=4)
     out_t = torch.full_like(case.q, float("nan"))
     attn.forward(case.q, case.k_cache, case.v_cache, out_t, case.topk, md, case.k_scale, case.v_scale)
     ref = torch.empty_like(out_t)

@@ -48,11 +48,15 @@ class Server:
         return [table[p // 128] * 128 + p % 128 for p in range(start, start + n)]
 
     def step(self, decodes, prefills, L):
-        """decodes: names (None = padded request); prefills: (name, chunk). Returns max errors."""
+        """decodes: names (None = a padding request, vLLM's CUDA-graph padding: query length 0,
+        seq_len 0, its L tokens counted in num_actual_tokens; only at the end of a decode-only
+        batch); prefills: (name, chunk). Returns the step's metadata."""
+        if None in decodes:
+            assert not prefills and decodes[decodes.index(None):] == [None] * (len(decodes) - decodes.index(None))
         names, qlens, computed, slots = [], [], [], []
         for name in decodes:
             if name is None:
-                names.append(None); qlens.append(L); computed.append(0); slots += [-1] * L
+                names.append(None); qlens.append(0); computed.append(0); slots += [-1] * L
                 continue
             start = self.lens[name]
             names.append(name); qlens.append(L); computed.append(start); slots += self.slots_for(name, start, L)
@@ -61,7 +65,7 @@ class Server:
             start = self.lens.get(name, 0)
             names.append(name); qlens.append(chunk); computed.append(start); slots += self.slots_for(name, start, chunk)
             self.lens[name] = start + chunk
-        n = sum(qlens)
+        n = len(slots)  # num_actual_tokens: padding requests' L tokens included
         cols = max(len(self.tables.get(x, [])) for x in names if x) if any(names) else 1
         bt = torch.tensor([(self.tables.get(x, []) + [0] * cols)[:cols] if x else [0] * cols for x in names],
                           dtype=torch.int32)
@@ -70,7 +74,8 @@ class Server:
         slot_mapping = torch.tensor(slots, dtype=torch.int32)
         computed_t = torch.tensor(computed, dtype=torch.int32)
         bt, seq_lens, qsl, computed_t, slot_mapping = (x.to(self.dev) for x in (bt, seq_lens, qsl, computed_t, slot_mapping))
-        md = self.builder.build(bt, seq_lens, qsl, computed_t, L, len(decodes), slot_mapping=slot_mapping)
+        md = self.builder.build(bt, seq_lens, qsl, computed_t, L, len(decodes), slot_mapping=slot_mapping,
+                                num_actual_tokens=n)
 
         key = torch.randn(n, self.h, 128, generator=self.g).to(self.q_dtype).to(self.dev)
         value = torch.randn(n, self.h, 128, generator=self.g).to(self.q_dtype).to(self.dev)
@@ -78,9 +83,7 @@ class Server:
         want_k, want_v = self.k_cache.clone(), self.v_cache.clone()
 
         # positions per token, then a top-k that always holds the query's own block
-        pos = torch.cat([torch.arange(c, c + q) if x else torch.full((q,), -1) for x, c, q in zip(names, computed, qlens)])
-        pos = torch.where(torch.tensor([x is not None for x, q in zip(names, qlens) for _ in range(q)]),
-                          pos, -1)
+        pos = torch.cat([torch.arange(c, c + q) if x else torch.full((L,), -1) for x, c, q in zip(names, computed, qlens)])
         topk = torch.tensor([[testing.random_topk_row(self.g, int(p), 16) for p in pos] for _ in range(self.h)],
                             dtype=torch.int32)
         q = torch.randn(n, self.hq, 128, generator=self.g).to(self.q_dtype)

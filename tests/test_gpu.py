@@ -789,7 +789,7 @@ def test_a_decode_step_with_its_inserts_is_captured(cuda_kernels, kv):
     qsl = torch.arange(9, dtype=torch.int32, device=dev)
     build = lambda sm: builder.build(c.block_table, c.seq_lens, qsl, c.seq_lens - 1, 1, 8, slot_mapping=sm)
     md = build(slots)
-    assert md.slot_capacity is not None and md.insert_slots.shape[0] == 8  # whole, not compacted
+    assert md.max_slot >= 0 and md.insert_slots.shape[0] == 8  # whole, not compacted
     gen = torch.Generator(device=dev).manual_seed(6)
     key, value = (torch.randn(8, 1, 128, generator=gen, device=dev).bfloat16() for _ in range(2))
     q, out = c.q.clone(), torch.empty_like(c.q)
@@ -823,3 +823,86 @@ def test_a_decode_step_with_its_inserts_is_captured(cuda_kernels, kv):
         torch.cuda.synchronize()
         assert torch.equal(raw(c.k_cache).cpu(), raw(kc)), later  # the whole cache buffer, byte for byte
         _assert_every_row_written_and_close(out.cpu(), ref, later)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+def test_a_captured_decode_step_replays_the_next_steps_fresh_metadata(cuda_kernels, kv):
+    """Serving as vLLM runs it: every step builds new metadata; the builder writes it into its
+    buffers at stable addresses, so a decode step captured once (insert + attend) and replayed
+    after the next step's build attends with that step's sequence lengths, slots and block table.
+    Also eagerly: the layer's bound launch serves the new metadata object (no rebinding)."""
+    from benchmarks.bench import _decode_setup
+    from msa_iree.layout import allocate_kv_cache
+    from msa_iree.runtime import MetadataBuilder
+
+    dev = torch.device("cuda")
+    c, attn, _, _ = _decode_setup(cuda_kernels, dev, 8, 4000, 1, 16, kv, rotations=1)  # the own block has room
+    blocks = c.k_cache.shape[0] // 16
+    builder = MetadataBuilder(8, 8192, num_cache_blocks=blocks, kernels=cuda_kernels, device=dev)
+    qsl = torch.arange(9, dtype=torch.int32, device=dev)
+    seq = c.seq_lens.clone()
+    gen = torch.Generator(device=dev).manual_seed(7)
+    key, value = (torch.randn(8, 1, 128, generator=gen, device=dev).bfloat16() for _ in range(2))
+    q, out = c.q.clone(), torch.empty_like(c.q)
+    holder = {}
+
+    def build(seq_lens):
+        pos = seq_lens.long() - 1
+        slots = (c.block_table.long().gather(1, (pos // 128)[:, None])[:, 0] * 128 + pos % 128).int()
+        holder["slots"] = slots
+        return builder.build(c.block_table, seq_lens, qsl, seq_lens - 1, 1, 8, slot_mapping=slots)
+
+    md = build(seq)
+
+    def step(md):
+        attn.insert_kv(key, value, c.k_cache, c.v_cache, md, c.k_scale, c.v_scale)
+        attn.forward(q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale)
+
+    step(md)
+    bound = attn._decode_launch
+    assert bound is not None
+    md2 = build(seq)  # a new object over the same buffers: the bound launch serves it
+    step(md2)
+    assert attn._decode_launch is bound
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(md2)
+    raw = lambda k: k.reshape(-1).view(torch.uint8)
+    for later in range(2):
+        seq = seq + 1  # one more token each (the own block's tail moves; the top-k stays valid)
+        build(seq)     # the next step's metadata, into the captured addresses
+        for t in (key, value, q):
+            t.copy_(torch.randn(t.shape, generator=gen, device=dev).to(t.dtype))
+        kc, vc = allocate_kv_cache(blocks, 1, c.k_cache.dtype)
+        raw(kc).copy_(raw(c.k_cache).cpu())
+        R.insert_kv(key.cpu(), value.cpu(), kc, vc, holder["slots"].cpu(), _cpu(c.k_scale), _cpu(c.v_scale))
+        ref = torch.empty(q.shape, dtype=q.dtype)
+        R.sparse_attn_decode(q.cpu(), kc, vc, c.topk.cpu(), c.block_table.cpu(), seq.cpu(), 1, attn.scale, ref,
+                             _cpu(c.k_scale), _cpu(c.v_scale))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(raw(c.k_cache).cpu(), raw(kc)), later
+        _assert_every_row_written_and_close(out.cpu(), ref, later)
+
+
+@pytest.mark.parametrize("matrix, kv", [("fma", "bf16"), ("mma", "bf16"), ("mma", "fp8_e4m3fn"), ("mfma", "bf16"),
+                                        ("mfma", "fp8_e4m3fnuz"), ("fma", "fp8_e4m3fn")])
+def test_sixteen_blocks_with_a_context_ending_late_in_the_last_partition(cuda_kernels, matrix, kv):
+    """16 heads per KV head, all 16 blocks selected, the row's length 1920 + t for t in 113..127
+    (241..255 tokens into the last 256-token partition, where AITER's maskless fp8 kernel returned
+    NaN), through each GPU family on CUDA (mfma: gfx942's kernel with its MFMAs emulated)."""
+    dev = torch.device("cuda")
+    spec = _decode_spec(matrix, kv)
+    seq = [15 * 128 + t for t in range(113, 128)]
+    c = testing.decode_case(seq, kv_dtype=DTYPES[kv], seed=2211, spare_blocks=4)
+    for r in range(len(seq)):  # every block of the request, own block first
+        c.topk[0, r] = torch.tensor(list(range(15, -1, -1)), dtype=torch.int32)
+    ref = torch.empty_like(c.q)
+    R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref,
+                         c.k_scale, c.v_scale)
+    out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device=dev)
+    ws = _poisoned_workspace(spec, c.q.shape[0])
+    cuda_kernels.run(spec, *[a.to(dev) for a in _module_operands(c, c.seq_lens)], out=[out, ws])
+    _assert_every_row_written_and_close(out.cpu(), ref, f"{matrix} {kv}")

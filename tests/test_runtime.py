@@ -29,7 +29,8 @@ def test_serving_simulation(host_kernels, kv, qd, layout, hkv, smode):
     s = Server(host_kernels, kv, qd, layout, hkv, smode, seed=SEEDS[str(kv), layout])
     addr = s.builder.page16_block_table_buffer.data_ptr()
     s.step([], [("a", 200), ("b", 130)], 1)                       # two chunked prefills
-    s.step(["b", None], [("a", 100), ("c", 129)], 1)              # decode, a padded request, prefill with prefix
+    s.step(["b"], [("a", 100), ("c", 129)], 1)                    # decode, prefills with a prefix
+    s.step(["a", "b", "c", None, None], [], 1)                   # a decode batch padded with 2 requests
     s.step(["a", "b", "c", None], [], 4)                          # speculative decode L = 4
     md = s.step(["a", "c"], [("d", 255), ("b", 3)], 4)            # spec decode + prefills
     assert s.builder.page16_block_table_buffer.data_ptr() == addr
@@ -104,23 +105,26 @@ def test_builder_errors(fp8_setup):
     with pytest.raises(ValueError, match=r"exceeds the page-16 rebase buffer \(4, 32\)"):
         builder.build(torch.zeros(5, 2, dtype=torch.int32), torch.ones(5, dtype=torch.int32),
                       torch.arange(6, dtype=torch.int32), torch.zeros(5, dtype=torch.int32), 1, 5)
-    with pytest.raises(IndexError, match="block_table: expected ids in"):
+    with pytest.raises(IndexError, match=r"block_table: expected ids in \[0, \d+\) \(num_cache_blocks\), got 10"):
         builder.build(bt + 1000, c.seq_lens, torch.arange(3, dtype=torch.int32), c.seq_lens - 1, 1, 2)
-    with pytest.raises(ValueError, match="decode query lengths: expected 4 or 0"):
-        builder.build(bt, c.seq_lens, torch.tensor([0, 4, 5], dtype=torch.int32), c.seq_lens - 1, 4, 2)
+    with pytest.raises(ValueError, match="decode query lengths: expected decode_query_len=4 for each of the first "
+                                         "num_decodes=2 requests, got 4 for request 1|got 1 for request 0"):
+        builder.build(bt, c.seq_lens, torch.tensor([0, 1, 2], dtype=torch.int32), c.seq_lens - 1, 4, 2)
     with pytest.raises(ValueError, match="decode_query_len: expected > 0"):
         builder.build(bt, c.seq_lens, torch.arange(3, dtype=torch.int32), c.seq_lens - 1, 0, 2)
+    with pytest.raises(ValueError, match="block_table: expected torch.int32, got torch.int64"):
+        builder.build(bt.long(), c.seq_lens, torch.arange(3, dtype=torch.int32), c.seq_lens - 1, 1, 2)
 
 
 def test_the_builder_checks_the_steps_slots_once(fp8_setup, host_kernels):
-    """With num_cache_blocks the builder range-checks the step's slots (so that insert_kv need not,
-    per layer); padding (-1) passes, a slot past the cache is refused by name, and slots for more
-    tokens than the step has are cut to the step (graph padding), fewer refused."""
+    """The builder finds the step's largest slot (so that insert_kv needs no sync per layer) and,
+    with num_cache_blocks, refuses a slot past the cache; padding (-1) passes, slots for more
+    tokens than the step has are cut to the step, fewer refused."""
     c, _, _, builder = fp8_setup
     bt, qsl = c.block_table.clamp(min=0), torch.arange(3, dtype=torch.int32)
     capacity = builder.num_cache_blocks * 128
     md = builder.build(bt, c.seq_lens, qsl, c.seq_lens - 1, 1, 2, slot_mapping=torch.tensor([-1, 5, 99]))
-    assert md.slot_capacity == capacity and md.slot_mapping.tolist() == [-1, 5]
+    assert md.max_slot == 5 and md.slot_mapping.tolist() == [-1, 5]
     assert md.insert_slots.tolist() == [5] and md.insert_token_index.tolist() == [1]  # host writer: compacted
     with pytest.raises(IndexError, match=f"slot_mapping: expected ids in \\[0, {capacity}\\)"):
         builder.build(bt, c.seq_lens, qsl, c.seq_lens - 1, 1, 2, slot_mapping=torch.tensor([0, capacity]))
@@ -128,7 +132,7 @@ def test_the_builder_checks_the_steps_slots_once(fp8_setup, host_kernels):
         builder.build(bt, c.seq_lens, qsl, c.seq_lens - 1, 1, 2, slot_mapping=torch.tensor([0]))
     unchecked = MetadataBuilder(4, 4096, kernels=host_kernels).build(bt, c.seq_lens, qsl, c.seq_lens - 1, 1, 2,
                                                                       slot_mapping=torch.tensor([0, capacity]))
-    assert unchecked.slot_capacity is None  # insert_kv checks then (test below)
+    assert unchecked.max_slot == capacity  # insert_kv refuses it for its cache (test below)
 
 
 def test_insert_rejects_slots_beyond_cache(host_kernels):
@@ -136,12 +140,12 @@ def test_insert_rejects_slots_beyond_cache(host_kernels):
     key = torch.zeros(1, 1, 128, dtype=BF16)
     with pytest.raises(IndexError, match="slot_mapping"):
         insert_kv(host_kernels, key, key, kc, vc, torch.tensor([256], dtype=torch.int32))
-    # metadata checked against a larger cache than this one: insert_kv checks again
+    # metadata checked against a larger cache than this one: insert_kv checks the step's largest slot
     md = MetadataBuilder(1, 1024, num_cache_blocks=8, kernels=host_kernels).build(
         torch.zeros(1, 8, dtype=torch.int32), torch.tensor([300]), torch.tensor([0, 1], dtype=torch.int32),
         torch.tensor([299]), 1, 1, slot_mapping=torch.tensor([300]))
-    assert md.slot_capacity == 1024
-    with pytest.raises(IndexError, match="slot_mapping: expected ids in \\[0, 256\\)"):
+    assert md.max_slot == 300
+    with pytest.raises(IndexError, match="slot_mapping: expected slots below k_cache's 256 tokens, got 300"):
         insert_kv(host_kernels, key, key, kc, vc, md)
     with pytest.raises(ValueError, match="key: expected at least num_actual_tokens=1 rows"):
         insert_kv(host_kernels, key[:0], key[:0], kc, vc, md)

@@ -26,6 +26,7 @@ from .metadata import MsaMetadata
 class _LayerState:
     """SparseAttention's per-layer operands (see SparseAttention._layer_state)."""
     stride: int                 # block page stride of the cache layout
+    num_blocks: int             # 128-token blocks the cache holds
     kp: torch.Tensor            # folded page views [pages * H, ...], storage dtype
     vp: torch.Tensor
     ks: torch.Tensor            # module scales [H, 1 or slots]
@@ -59,7 +60,7 @@ class SparseAttention:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, kv_cache_dtype,
                  target: str = "host", *, build_dir=None, query_dtype=torch.bfloat16, kernels=None,
-                 validate_emitted_tables: bool = True, gpu_matrix: str = "auto"):
+                 validate_emitted_tables: bool = True, gpu_matrix: str = "auto", workspace=None):
         kv_name = kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype)
         self.cfg = MsaConfig(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size, kv_dtype=kv_name,
                              query_dtype=dtype_name(query_dtype))
@@ -68,11 +69,18 @@ class SparseAttention:
         self.scale = scale
         self.scale_tensor = torch.tensor([scale], dtype=torch.float32)
         self._layer_key = None
-        self._workspace = None  # (torch f32 tensor, its IREE view): the GPU attend's split partials
         self._decode_launch = None  # _DecodeLaunch: the last decode-only step's bound attend (stream launch)
         self._insert_launch = None  # _InsertLaunch: this layer's bound KV insert (stream launch)
         self._specs = {}  # (kernel class, decode L, stride) -> spec: built once, not per call
         self.validate_emitted_tables = validate_emitted_tables
+        # the GPU attend's scratch: the caller's f32 tensor (workspace_size bytes), else the library's
+        self.workspace = workspace
+        if workspace is not None:
+            checks.check_dtype("workspace", workspace, torch.float32)
+            if not workspace.is_contiguous():
+                raise ValueError("workspace: expected a contiguous tensor, got a strided view")
+            zero_copy = self.kernels.zero_copy and not self.kernels.stream_launch
+            self._workspace_view = self.kernels.to_iree(workspace) if zero_copy else workspace
         # the hand-written GPU attend (decode and prefill) where the target and head grouping allow it
         self.gpu_decode = (self.kernels.target in SparseAttnDecodeFmaSpec.targets
                            and SparseAttnDecodeFmaSpec.supports(self.cfg))
@@ -128,7 +136,7 @@ class SparseAttention:
             views = tuple(self.kernels.to_iree(t) if self.kernels.zero_copy and t.is_cuda and t.is_contiguous() else t
                           for t in operands)
         # operands keeps the memory the views point at alive
-        self._layer = _LayerState(stride, kp, vp, ks, vs, operands, views, refresh)
+        self._layer = _LayerState(stride, capacity // BLOCK_SIZE, kp, vp, ks, vs, operands, views, refresh)
         self._layer_key = key
         return self._layer
 
@@ -147,21 +155,28 @@ class SparseAttention:
             cache[id(self.kernels)] = views
         return [views[n] for n in names]
 
+    def workspace_size(self, max_num_tokens: int) -> int:
+        """Bytes of the GPU attend's workspace (its split partials) that serve any step of up to
+        max_num_tokens tokens, decode or prefill: the size of a caller-owned `workspace`."""
+        specs = (self._spec(self.decode_spec, 16), self._spec(self.prefill_spec, 16))
+        return 4 * max(s.workspace_floats(max_num_tokens) for s in specs)
+
     def _workspace_for(self, spec, num_tokens, device):
-        """The GPU attend's workspace (spec.workspace_floats), kept across calls and imported once;
-        reallocated only when a larger batch needs more, so the steady hot path allocates nothing."""
+        """The GPU attend's workspace: the caller's (checked for size), else the library's, which
+        every layer on it shares (their kernels run one after another on one stream)."""
         need = spec.workspace_floats(num_tokens)
-        if self._workspace is None or self._workspace[0].numel() < need or self._workspace[0].device != device:
-            ws = torch.empty(max(need, 1 << 20), dtype=torch.float32, device=device)
-            zero_copy = self.kernels.zero_copy and not self.kernels.stream_launch
-            self._workspace = (ws, self.kernels.to_iree(ws) if zero_copy else ws)
-        return self._workspace[1]
+        if self.workspace is None:
+            return self.kernels.workspace(need, device)
+        if self.workspace.numel() < need:
+            raise ValueError(f"workspace: expected at least {4 * need} bytes for {num_tokens} tokens "
+                             f"(SparseAttention.workspace_size), got {4 * self.workspace.numel()}")
+        return self._workspace_view
 
     def _scales(self, k_scale, v_scale, device):
         h = self.cfg.num_kv_heads
         return tuple(self.kernels.unit_scale(h, device) if s is None else module_scale(s, h) for s in (k_scale, v_scale))
 
-    def _check(self, query, k_cache, output, topk):
+    def _check(self, query, k_cache, output, topk, num_tokens):
         """The per-call checks (the cache and scale checks run in _layer_state, once per tensor)."""
         cfg = self.cfg
         checks.check_query(query, cfg.num_heads)
@@ -169,6 +184,10 @@ class SparseAttention:
         checks.check_device("k_cache", k_cache, query.device)
         checks.check_out(output, query)
         checks.check_topk(topk, cfg.num_kv_heads, None, cfg.topk)
+        for name, rows in (("query", query.shape[0]), ("topk", topk.shape[1])):
+            if rows < num_tokens:
+                raise ValueError(f"{name}: expected at least num_actual_tokens={num_tokens} rows (the step's "
+                                 f"tokens), got {rows}")
 
     def insert_kv(self, key, value, k_cache, v_cache, metadata_or_slots, k_scale=None, v_scale=None):
         """This layer's KV insert: runtime.insert_kv (same arguments, checks and result; key/value
@@ -191,19 +210,30 @@ class SparseAttention:
 
     def forward(self, query, k_cache, v_cache, output, topk, metadata: MsaMetadata, k_scale=None, v_scale=None,
                 sparse_block_table=None, sparse_context_lens=None):
-        """query/output [tokens, Hq, 128]; topk [H, >= tokens, K] int32. Returns `output`."""
+        """The attend of one layer for one step, written into `output` (returned).
+
+        query/output [>= tokens, Hq, 128] bf16/fp16 (rows past the step's tokens are not touched);
+        k_cache/v_cache: the layer's SHUFFLE views; topk [H, >= tokens, 16] int32 logical block ids
+        of each token's request (-1: none), decode rows first; metadata: the step's
+        (MetadataBuilder.build), or None for a profiling run (nothing attended, output untouched);
+        k_scale/v_scale: fp8 caches' scales, fp32 [1] or [H, >= cache tokens]; sparse_block_table
+        [tokens * H, 128] / sparse_context_lens [tokens * H] int32: a page table the indexer
+        emitted, used instead of building one from topk.
+        """
+        if metadata is None:
+            return output  # a profiling run: nothing to attend
         if not isinstance(metadata, MsaMetadata):
-            return output  # profiling run: nothing to attend (as vLLM runs it)
+            raise TypeError(f"metadata: expected an MsaMetadata (MetadataBuilder.build) or None (a profiling run), "
+                            f"got {type(metadata).__name__}")
         bound = self._decode_launch
         if (bound is not None and sparse_block_table is None and sparse_context_lens is None
                 and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale)):
-            return output  # a later call of a bound step: only what changes per call was checked
-        self._check(query, k_cache, output, topk)
-        layer = self._layer_state(k_cache, v_cache, k_scale, v_scale)
+            return output  # a bound step of the same shape: only what changes per call was checked
         cfg, h = self.cfg, self.cfg.num_kv_heads
         nd, n = metadata.num_decode_tokens, metadata.num_actual_tokens
-        if topk.shape[1] < n:
-            raise ValueError(f"topk: expected at least num_actual_tokens={n} rows, got {topk.shape[1]}")
+        self._check(query, k_cache, output, topk, n)
+        layer = self._layer_state(k_cache, v_cache, k_scale, v_scale)
+        metadata.check_cache_blocks(layer.num_blocks)  # the step's largest block id, found by the builder
         stride = layer.stride
         emitted = checks.check_sparse_table(sparse_block_table, sparse_context_lens, None, cfg.topk)
         if emitted:
@@ -261,11 +291,13 @@ class SparseAttention:
 
 class _DecodeLaunch(_LayerBinding):
     """A layer's decode-only step bound to its stream launch (FlashInfer's plan/run split): made by
-    a forward that ran every check, it serves the later calls that pass the same metadata, caches
-    and scales, checking only what may change per call (the query, output and top-k tensors: the
-    shapes, dtypes and device bound, contiguous) before it launches; any other call takes the
-    checked path (and binds anew). It keeps the step's metadata alive until the next binding (and,
-    as every _LayerBinding, the layer's tensors)."""
+    a forward that ran every check, it serves the later calls whose step has the same key (the
+    builder's step tensors at the same addresses in the same shapes: this step's other layers, and
+    every later step of the same size) over the same caches and scales, checking only what may
+    change per call (the step's largest block id against the cache; the query, output and top-k
+    tensors: the shapes, dtypes and device bound, contiguous) before it launches; any other call
+    takes the checked path (and binds anew). It keeps the bound step's tensors alive (as every
+    _LayerBinding the layer's)."""
 
     @classmethod
     def bind(cls, kernels, spec, metadata, layer, layer_tensors, call_tensors, args, workspace):
@@ -277,8 +309,11 @@ class _DecodeLaunch(_LayerBinding):
         # the kernel reads rows from the first: their addresses are the whole tensors' if contiguous
         if sk is None or not all(t.is_contiguous() for t in (*call_tensors, args[0], args[3])):
             return None
+        d = metadata.decode
+        if args[4].data_ptr() != d.block_table.data_ptr() or args[5].data_ptr() != d.seq_lens.data_ptr():
+            return None  # the step's tensors were copied for the launch: a later step would not be seen
         self = cls()
-        self.metadata = metadata
+        self.step_key, self.num_blocks = metadata.step_key, layer.num_blocks
         self._hold(layer_tensors, layer.refresh)
         self.q_shape, self.q_dtype, self.topk_shape = query.shape, query.dtype, topk.shape
         self.device_index = query.get_device()
@@ -288,7 +323,8 @@ class _DecodeLaunch(_LayerBinding):
 
     def __call__(self, metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale) -> bool:
         """Queue the attend if this call is one the binding serves (True); else False, nothing done."""
-        if metadata is not self.metadata or not self._same_layer(k_cache, v_cache, k_scale, v_scale):
+        if (metadata.step_key != self.step_key or metadata.max_block_id >= self.num_blocks
+                or not self._same_layer(k_cache, v_cache, k_scale, v_scale)):
             return False
         q_shape, q_dtype, index = self.q_shape, self.q_dtype, self.device_index
         if (query.shape != q_shape or output.shape != q_shape or topk.shape != self.topk_shape

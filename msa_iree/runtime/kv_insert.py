@@ -14,7 +14,7 @@ from ..ops import InsertKvGpuSpec, InsertKvSpec
 from ..ops.fp8 import storage_dtype
 from .binding import _contiguous_copies, _LayerBinding
 from .library import KernelLibrary, _current_raw_stream, module_scale
-from .metadata import MsaMetadata, _written_tokens
+from .metadata import MsaMetadata
 
 
 def insert_kv(kernels: KernelLibrary, key, value, k_cache, v_cache, metadata_or_slots, k_scale=None, v_scale=None, *,
@@ -43,31 +43,35 @@ def _insert_plan(kernels, key, value, k_cache, v_cache, metadata_or_slots, k_sca
     capacity = k_cache.shape[0] // stride * BLOCK_SIZE
     checks.check_scale("k_scale", k_scale, k_cache.dtype, h, capacity)
     checks.check_scale("v_scale", v_scale, k_cache.dtype, h, capacity)
-    checked = False
+    gpu_writer = kernels.target in InsertKvGpuSpec.targets
     if isinstance(metadata_or_slots, MsaMetadata):
         md = metadata_or_slots
         if key.shape[0] < md.num_actual_tokens:
             raise ValueError(f"key: expected at least num_actual_tokens={md.num_actual_tokens} rows (the step's "
                              f"tokens), got {key.shape[0]}")
+        md.check_cache_slots(capacity)  # the builder found the step's largest slot: no sync here
         token_index, slots = md.insert_token_index, md.insert_slots
-        # range-checked by the builder against at most this cache's capacity: no host sync here
-        checked = md.slot_capacity is not None and md.slot_capacity <= capacity
-        if md.slot_capacity is not None and kernels.target not in InsertKvGpuSpec.targets:
-            keep = (slots >= 0).nonzero().reshape(-1)  # the portable writer takes written tokens only
+        if not gpu_writer and slots.numel() and bool((slots < 0).any()):  # the portable writer: written tokens only
+            keep = (slots >= 0).nonzero().reshape(-1)
             token_index, slots = token_index[keep], slots[keep]
     else:
         checks.check_shape("slot_mapping", metadata_or_slots, (key.shape[0],))
         token_index, slots = _written_tokens(metadata_or_slots)
+        checks.check_ids_in_range("slot_mapping", slots, capacity)
     if slots.numel() == 0:
         return None
-    if not checked:
-        checks.check_ids_in_range("slot_mapping", slots[slots >= 0], capacity)
     cfg = MsaConfig(num_kv_heads=h, kv_dtype=dtype_name(k_cache.dtype), query_dtype=dtype_name(key.dtype))
     # no scale (16-bit caches): ones on the cache's device (a stream launch reads device memory)
     ks, vs = (kernels.unit_scale(h, k_cache.device) if s is None else module_scale(s, h) for s in (k_scale, v_scale))
     raw = _whole_buffer(k_cache, v_cache).view(storage_dtype(k_cache.dtype))
-    spec_cls = InsertKvGpuSpec if kernels.target in InsertKvGpuSpec.targets else InsertKvSpec
+    spec_cls = InsertKvGpuSpec if gpu_writer else InsertKvSpec
     return spec_cls(cfg, stride), [raw, key, value, token_index, slots, ks, vs], capacity
+
+
+def _written_tokens(slot_mapping):
+    """(token index, slot) int32 of the tokens whose slot is not padding (< 0): a host sync."""
+    keep = (slot_mapping >= 0).nonzero().reshape(-1)
+    return keep.int(), slot_mapping[keep].int()
 
 
 def _run_insert(kernels, spec, operands):
@@ -80,19 +84,19 @@ def _run_insert(kernels, spec, operands):
 
 
 class _InsertLaunch(_LayerBinding):
-    """A layer's KV insert bound to its stream launch: made after a fully checked insert whose
-    slots the builder range-checked (MsaMetadata.slot_capacity), it serves later calls with the
-    same caches and scales and metadata whose token index and slots are the same buffers (the
-    builder keeps them at one address from step to step), checking only key and value (shape,
-    dtype, device, contiguous) before it queues the writer; any other call takes the checked path."""
+    """A layer's KV insert bound to its stream launch: made after a fully checked insert of a
+    step's metadata, it serves later calls with the same caches and scales and metadata whose token
+    index and slots are the same buffers (the builder keeps them at one address from step to step,
+    so a new step's metadata of the same size is served too), checking only the step's largest
+    slot against the cache (an int) and key and value (shape, dtype, device, contiguous) before it
+    queues the writer; any other call takes the checked path."""
 
     @classmethod
     def bind(cls, kernels, spec, metadata, layer_tensors, operands, capacity):
         """None unless the insert is a stream launch of builder-checked slots from contiguous key/value."""
         sk = kernels.stream_kernel(spec) if kernels.stream_launch else None
         key, value, token_index, slots = operands[1:5]
-        if (sk is None or not isinstance(metadata, MsaMetadata) or metadata.slot_capacity is None
-                or metadata.slot_capacity > capacity
+        if (sk is None or not isinstance(metadata, MsaMetadata)
                 or not all(t.is_contiguous() for t in (key, value, token_index, slots))):
             return None
         self = cls()
@@ -108,7 +112,7 @@ class _InsertLaunch(_LayerBinding):
     def __call__(self, metadata, key, value, k_cache, v_cache, k_scale, v_scale) -> bool:
         """Queue the insert if this call is one the binding serves (True); else False, nothing done."""
         if (not self._same_layer(k_cache, v_cache, k_scale, v_scale) or not isinstance(metadata, MsaMetadata)
-                or metadata.slot_capacity is None or metadata.slot_capacity > self.capacity):
+                or metadata.max_slot >= self.capacity):
             return False
         ti, sl = metadata.insert_token_index, metadata.insert_slots
         if ((ti.data_ptr(), ti.shape), (sl.data_ptr(), sl.shape)) != self.step_buffers:

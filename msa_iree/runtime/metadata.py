@@ -1,8 +1,11 @@
 """Per-step metadata: what every sparse layer of one step shares, built once by `MetadataBuilder`.
 
-The builder does everything that needs the host once per step (the decode-first split, per-token
-positions, the page-16 rebase into its stable buffer, range checks, the insert's slot compaction);
-a layer's calls read the plain `MsaMetadata` it returns.
+The builder does, once per step, everything that needs the host or the step's values: the
+decode-first split, the checks of every id against what it indexes (so that no layer has to sync
+with the host), per-token positions, the page-16 rebase, the insert's slots. It writes the step's
+tensors into buffers it keeps at stable addresses, so that a layer's bound launch (and a captured
+CUDA graph) reads the next step's values from the same memory. A layer's calls read the plain
+`MsaMetadata` it returns (docs/SPEC.md, "Per-step metadata").
 """
 from __future__ import annotations
 
@@ -13,149 +16,297 @@ import torch
 from .. import checks
 from ..config import MsaConfig
 from ..layout import BLOCK_SIZE
-from ..ops import InsertKvGpuSpec, RebaseBlockTableSpec
+from ..ops import InsertKvGpuSpec, RebaseBlockTableSpec, RebaseSlotsSpec
 from ..reference import query_token_positions
 from .library import KernelLibrary
 
 
-def _written_tokens(slot_mapping):
-    """(token index, slot) int32 of the tokens whose slot is not padding (-1): a host sync."""
-    keep = (slot_mapping >= 0).nonzero().reshape(-1)
-    return keep.int(), slot_mapping[keep].int()
-
-
 @dataclasses.dataclass
 class DecodeMetadata:
-    block_table: torch.Tensor          # [num_decodes, cols] int32, unrebased
-    seq_lens: torch.Tensor             # [num_decodes] int32
-    decode_query_len: int
-    page16_block_table: torch.Tensor   # view of the builder's stable buffer
+    """The decode requests of a step (the first num_decodes), each with decode_query_len tokens."""
+
+    block_table: torch.Tensor          # [num_decodes, cols] int32 cache block ids, unrebased
+    seq_lens: torch.Tensor             # [num_decodes] int32, the new tokens included
+    decode_query_len: int              # L: 1, or 1 + speculative tokens
+    page16_block_table: torch.Tensor   # [num_decodes, cols] int32: block_table * 2 (vLLM's page16 view)
 
 
 @dataclasses.dataclass
 class PrefillMetadata:
-    block_table: torch.Tensor          # [num_prefills, cols], request ids relative to the prefills
+    """The (chunked) prefill requests of a step, their request ids relative to the prefills."""
+
+    block_table: torch.Tensor          # [num_prefills, cols] int32
     cu_seqlens_q: torch.Tensor         # [num_prefills + 1] int32, from 0
-    seq_lens: torch.Tensor
-    context_lens: torch.Tensor         # prefix already computed
+    seq_lens: torch.Tensor             # [num_prefills] int32
+    context_lens: torch.Tensor         # [num_prefills] int32: tokens computed before this step
     query_req_id: torch.Tensor         # [num_prefill_tokens] int32
-    query_abs_pos: torch.Tensor
-    page16_block_table: torch.Tensor
+    query_abs_pos: torch.Tensor        # [num_prefill_tokens] int32
+    page16_block_table: torch.Tensor   # [num_prefills, cols] int32
 
 
 @dataclasses.dataclass
 class MsaMetadata:
-    num_actual_tokens: int
+    """One step, as every layer's `forward` and `insert_kv` read it. The tensors are views of the
+    builder's buffers (stable addresses); the ints were checked by the builder."""
+
+    num_actual_tokens: int             # the step's tokens (decode first); rows past it are not touched
     num_decodes: int
-    num_decode_tokens: int
+    num_decode_tokens: int             # num_decodes * decode_query_len (padding requests included)
     num_prefills: int
     num_prefill_tokens: int
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
-    slot_mapping: torch.Tensor              # [num_tokens] logical slots, -1 = padding
-    insert_token_index: torch.Tensor        # [M] int32 tokens to write (see insert_slots)
-    insert_slots: torch.Tensor              # [M] int32 their logical slots: padding dropped, or (the
-                                            # GPU writer, slot_capacity set) every token's, -1 = skip, at
-                                            # addresses kept across steps
-    slot_capacity: int | None = None        # the builder checked every slot below this many tokens
+    slot_mapping: torch.Tensor         # [num_actual_tokens] int32 logical slots, < 0 = not written
+    page16_slot_mapping: torch.Tensor  # [num_actual_tokens] int32 the slots rebased for an interleaved cache
+    insert_token_index: torch.Tensor   # [M] int32 rows of key/value the insert writes ...
+    insert_slots: torch.Tensor         # [M] int32 ... at these slots (the GPU writer: every token, < 0 skipped)
+    max_block_id: int                  # the largest cache block id the step's requests reference (-1: none)
+    max_slot: int                      # the largest slot the step writes (-1: none)
+    # where and how big the step's tensors are: two steps with one key have their tensors at the
+    # same addresses in the same shapes, so a launch bound for one serves the other
+    step_key: tuple = ()
+
+    def check_cache_blocks(self, num_blocks: int, what="k_cache"):
+        """Refuse a cache with fewer blocks than the step references (no sync: ints)."""
+        if self.max_block_id >= num_blocks:
+            raise IndexError(f"block_table: expected cache block ids below {what}'s {num_blocks} blocks, "
+                             f"got {self.max_block_id} (out of range)")
+
+    def check_cache_slots(self, capacity: int, what="k_cache"):
+        if self.max_slot >= capacity:
+            raise IndexError(f"slot_mapping: expected slots below {what}'s {capacity} tokens, got {self.max_slot} "
+                             "(out of range)")
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+class _Buffer:
+    """An int32 buffer kept at one address, grown (reallocated) only for a larger step; `arange`
+    holds 0, 1, 2, ... (the token index of a step that writes every token)."""
+
+    def __init__(self, size, device, arange=False):
+        self.device, self.arange = device, arange
+        self.t = self._new(max(size, 1))
+
+    def _new(self, n):
+        return (torch.arange if self.arange else torch.empty)(n, dtype=torch.int32, device=self.device)
+
+    def view(self, *shape):
+        n = 1
+        for s in shape:
+            n *= s
+        if n > self.t.shape[0]:
+            self.t = self._new(n)
+        return self.t[:n].view(*shape)
 
 
 class MetadataBuilder:
-    """Builds per-step metadata once for all sparse layers (docs/SPEC.md, the metadata).
+    """Builds a step's metadata once for all sparse layers.
 
-    page16_block_table_buffer: [max_num_seqs, cdiv(max_model_len, 128)] int32, allocated here and
-    kept at one address across steps (a captured decode replays through it).
-
-    With num_cache_blocks and a library whose KV insert is the GPU writer (which skips slot -1),
-    the step's slots are range-checked here, once, and passed to `insert_kv` whole (padding
-    included) from buffers kept at one address: its per-layer calls then neither sync with the
-    host nor change shape between steps of one size, so a decode step with its inserts can be
-    captured in a CUDA graph.
+    max_num_seqs, max_model_len: the engine's limits (vLLM's scheduler and model config); a step
+    beyond them is refused. max_num_tokens: the most tokens a step holds (vLLM's
+    max_num_batched_tokens), which sizes the per-token buffers; a larger step reallocates them
+    (their addresses change: a graph captured before must be captured again). num_cache_blocks:
+    the KV cache's blocks, so that an out-of-range block id or slot is refused here rather than
+    by each layer (each layer checks its own cache's size against the step's largest id, without
+    a sync, either way). kernels: the library whose compiled rebase kernels the builder uses (and
+    whose KV writer decides the insert's slot form).
     """
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, *, num_cache_blocks: int | None = None,
-                 kernels: KernelLibrary | None = None, device="cpu"):
-        self.kernels = kernels
+    def __init__(self, max_num_seqs: int, max_model_len: int, *, max_num_tokens: int | None = None,
+                 num_cache_blocks: int | None = None, kernels: KernelLibrary | None = None, device="cpu"):
+        if max_num_seqs < 1 or max_model_len < 1:
+            raise ValueError(f"max_num_seqs, max_model_len: expected >= 1, got {max_num_seqs}, {max_model_len}")
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.num_cache_blocks = num_cache_blocks
-        cols = -(-max_model_len // BLOCK_SIZE)
-        self.page16_block_table_buffer = torch.zeros(max_num_seqs, cols, dtype=torch.int32, device=device)
-        self._insert_buffers = None  # (token index 0..n-1, slots) int32, grown to the largest step
+        self.kernels = kernels
+        self.device = torch.device(device)
+        self.max_cols = _cdiv(max_model_len, BLOCK_SIZE)
+        tokens = max_num_tokens or max_num_seqs * 8
+        # vLLM's page-16 buffer: [max_num_seqs, cdiv(max_model_len, 128)], a step's table its [:reqs, :cols]
+        self.page16_block_table_buffer = torch.zeros(max_num_seqs, self.max_cols, dtype=torch.int32, device=device)
+        self._block_table = _Buffer(max_num_seqs * self.max_cols, self.device)
+        self._seq_lens = _Buffer(max_num_seqs, self.device)
+        self._context_lens = _Buffer(max_num_seqs, self.device)
+        self._cu_seqlens_q = _Buffer(max_num_seqs + 1, self.device)
+        self._query_req_id = _Buffer(tokens, self.device)
+        self._query_abs_pos = _Buffer(tokens, self.device)
+        self._slots = _Buffer(tokens, self.device)
+        self._page16_slots = _Buffer(tokens, self.device)
+        self._token_index = _Buffer(tokens, self.device, arange=True)
+
+    # ---- the step's checks (host values, once per step) ----
+
+    def _host_values(self, query_start_loc, seq_lens, num_computed_tokens):
+        """The step's per-request values on the host, in one transfer."""
+        b = seq_lens.shape[0]
+        host = torch.cat([query_start_loc.reshape(-1), seq_lens.reshape(-1), num_computed_tokens.reshape(-1)])
+        host = host.to("cpu", torch.int64).tolist()
+        return host[:b + 1], host[b + 1:2 * b + 1], host[2 * b + 1:]
+
+    def _split(self, qsl, seq, computed, decode_query_len, num_decodes, num_actual_tokens):
+        """(num_decode_tokens, num_tokens) after checking the decode-first split: every decode
+        request has L tokens, except trailing padding requests of length 0 and seq_len 0 (vLLM's
+        padded uniform decode batch, whose L tokens count in num_actual_tokens)."""
+        num_reqs, L = len(seq), decode_query_len
+        qlens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
+        if qsl[0] != 0 or any(q < 0 for q in qlens):
+            raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0, got {qsl}")
+        real = next((i for i in range(num_decodes) if qlens[i] == 0), num_decodes)  # the first padding request
+        bad = [(i, q) for i, q in enumerate(qlens[:real]) if q != L]
+        if bad:
+            raise ValueError(f"decode query lengths: expected decode_query_len={L} for each of the first "
+                             f"num_decodes={num_decodes} requests, got {bad[0][1]} for request {bad[0][0]}")
+        for i in range(real, num_decodes):
+            if qlens[i] != 0 or seq[i] != 0:
+                raise ValueError(f"decode padding: expected the padding requests of a decode batch (query length 0) "
+                                 f"at its end with seq_len 0, got query length {qlens[i]} and seq_len {seq[i]} for "
+                                 f"request {i} after padding request {real}")
+        num_decode_tokens = num_decodes * L
+        num_tokens = qsl[-1] if num_actual_tokens is None else num_actual_tokens
+        if real < num_decodes:  # a padded batch: decodes only, num_actual_tokens counting the padding
+            if num_decodes != num_reqs or num_tokens != num_decode_tokens:
+                raise ValueError(f"num_actual_tokens: expected num_decodes * decode_query_len = {num_decode_tokens} "
+                                 f"for a decode batch padded with {num_decodes - real} requests of length 0 (and no "
+                                 f"prefills), got {num_tokens} tokens and {num_reqs - num_decodes} prefill requests")
+        elif qsl[num_decodes] != num_decode_tokens:
+            raise ValueError(f"num_decode_tokens: expected num_decodes * decode_query_len = {num_decode_tokens}, "
+                             f"got {qsl[num_decodes]} decode tokens in query_start_loc")
+        elif num_tokens != qsl[-1]:
+            raise ValueError(f"num_actual_tokens: expected query_start_loc[-1] = {qsl[-1]} (padding tokens only "
+                             f"in a padded decode batch), got {num_tokens}")
+        for r in range(num_reqs):
+            if seq[r] > self.max_model_len:
+                raise ValueError(f"seq_lens: expected at most max_model_len={self.max_model_len} tokens a request, "
+                                 f"got {seq[r]} for request {r}")
+            if seq[r] != computed[r] + qlens[r]:
+                raise ValueError(f"seq_lens: expected num_computed_tokens + query length = {computed[r] + qlens[r]} "
+                                 f"for request {r}, got {seq[r]}")
+        return num_decode_tokens, num_tokens
+
+    def _check_ids(self, block_table, seq, slot_mapping, num_tokens):
+        """(max_block_id, max_slot) of the step, after checking that every block a request's
+        context spans has a column and a block id >= 0 (and < num_cache_blocks), and every slot
+        written is in range: what a layer's attend and insert would otherwise clamp."""
+        cols = block_table.shape[1]
+        need = [_cdiv(s, BLOCK_SIZE) for s in seq]
+        short = [(r, n) for r, n in enumerate(need) if n > cols]
+        if short:
+            r, n = short[0]
+            raise IndexError(f"block_table: expected at least cdiv(seq_len, 128) = {n} columns for request {r} "
+                             f"(seq_len {seq[r]}), got {cols} columns")
+        used = (torch.arange(cols, device=block_table.device)[None, :]
+                < torch.tensor(need, device=block_table.device)[:, None])
+        big = torch.iinfo(torch.int32).max
+        slots = slot_mapping[:num_tokens]
+        stats = []  # reduced on the device, brought back in one transfer
+        if block_table.numel():
+            stats += [torch.where(used, block_table, big).amin().long(), torch.where(used, block_table, -1).amax().long()]
+        if slots.numel():
+            stats.append(slots.amax().clamp(min=-1).long())
+        stats = torch.stack(stats).tolist() if stats else []
+        lowest, max_block = (stats[0], stats[1]) if block_table.numel() else (big, -1)
+        max_slot = stats[-1] if slots.numel() else -1
+        if lowest < 0:
+            r, c = (used & (block_table < 0)).nonzero()[0].tolist()
+            raise IndexError(f"block_table: expected a cache block id >= 0 for every block of a request's context, "
+                             f"got {int(block_table[r, c])} at request {r}, column {c} (seq_len {seq[r]})")
+        if self.num_cache_blocks is not None:
+            if max_block >= self.num_cache_blocks:
+                raise IndexError(f"block_table: expected ids in [0, {self.num_cache_blocks}) (num_cache_blocks), "
+                                 f"got {max_block} (out of range)")
+            if max_slot >= self.num_cache_blocks * BLOCK_SIZE:
+                raise IndexError(f"slot_mapping: expected ids in [0, {self.num_cache_blocks * BLOCK_SIZE}) "
+                                 f"(num_cache_blocks * 128), got {max_slot} (out of range)")
+        return max_block, max_slot
+
+    # ---- the step ----
 
     def build(self, block_table, seq_lens, query_start_loc, num_computed_tokens, decode_query_len: int,
-              num_decodes: int, slot_mapping=None) -> MsaMetadata:
-        """block_table [reqs, cols] int32; seq_lens, num_computed_tokens [reqs]; query_start_loc [reqs+1]."""
+              num_decodes: int, slot_mapping=None, *, num_actual_tokens: int | None = None) -> MsaMetadata:
+        """One step's metadata (vLLM's CommonAttentionMetadata, decode-first).
+
+        block_table [reqs, cols] int32 cache block ids (128-token blocks); seq_lens [reqs] int32
+        (the step's tokens included); query_start_loc [reqs + 1] int32; num_computed_tokens [reqs]
+        int32 (seq_lens - query lengths); decode_query_len L; num_decodes: the first requests,
+        each L tokens (a padded batch ends in requests of length 0 and seq_len 0, counted in
+        num_actual_tokens); slot_mapping [>= tokens] int32 logical slots (< 0: not written).
+        """
         num_reqs = seq_lens.shape[0]
         checks.check_dtype("block_table", block_table, torch.int32)
         checks.check_shape("block_table", block_table, (num_reqs, None))
-        checks.check_shape("query_start_loc", query_start_loc, (num_reqs + 1,))
-        checks.check_shape("num_computed_tokens", num_computed_tokens, (num_reqs,))
+        for name, t, shape in (("seq_lens", seq_lens, (num_reqs,)), ("query_start_loc", query_start_loc, (num_reqs + 1,)),
+                               ("num_computed_tokens", num_computed_tokens, (num_reqs,))):
+            checks.check_dtype(name, t, (torch.int32, torch.int64))
+            checks.check_shape(name, t, shape)
         if decode_query_len <= 0:
             raise ValueError(f"decode_query_len: expected > 0, got {decode_query_len}")
         if not 0 <= num_decodes <= num_reqs:
             raise ValueError(f"num_decodes: expected 0..num_reqs={num_reqs}, got {num_decodes}")
-        qlens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-        bad = [q for q in qlens[:num_decodes] if q not in (decode_query_len, 0)]
-        if bad:
-            raise ValueError(f"decode query lengths: expected {decode_query_len} or 0 (graph padding) for the first "
-                             f"num_decodes={num_decodes} requests, got {bad}")
-        num_decode_tokens = num_decodes * decode_query_len
-        num_tokens = int(query_start_loc[-1])
-        if int(query_start_loc[num_decodes]) != num_decode_tokens:
-            raise ValueError(f"num_decode_tokens: expected num_decodes * decode_query_len = {num_decode_tokens}, "
-                             f"got {int(query_start_loc[num_decodes])} decode tokens in query_start_loc")
-        buf = self.page16_block_table_buffer
-        if num_reqs > buf.shape[0] or block_table.shape[1] > buf.shape[1]:
+        if num_reqs > self.max_num_seqs or block_table.shape[1] > self.max_cols:
             raise ValueError(f"block table {(num_reqs, block_table.shape[1])} exceeds the page-16 rebase buffer "
-                             f"{tuple(buf.shape)}")
-        if self.num_cache_blocks is not None:
-            checks.check_ids_in_range("block_table", block_table[block_table >= 0], self.num_cache_blocks)
-        page16 = buf[:num_reqs, :block_table.shape[1]]
-        page16.copy_(self._rebase(block_table))
-
-        decode = prefill = None
-        if num_decodes:
-            decode = DecodeMetadata(block_table[:num_decodes], seq_lens[:num_decodes].int(), decode_query_len,
-                                    page16[:num_decodes])
-        if num_decodes < num_reqs:
-            cu = (query_start_loc[num_decodes:] - query_start_loc[num_decodes]).int()
-            ctx = num_computed_tokens[num_decodes:].int()
-            req, pos = query_token_positions(cu, ctx, num_tokens - num_decode_tokens)
-            prefill = PrefillMetadata(block_table[num_decodes:], cu, seq_lens[num_decodes:].int(), ctx, req, pos,
-                                      page16[num_decodes:])
+                             f"{tuple(self.page16_block_table_buffer.shape)}")
+        qsl, seq, computed = self._host_values(query_start_loc, seq_lens, num_computed_tokens)
+        num_decode_tokens, num_tokens = self._split(qsl, seq, computed, decode_query_len, num_decodes,
+                                                    num_actual_tokens)
         if slot_mapping is None:
-            slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int32)
+            slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int32, device=self.device)
+        checks.check_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
         checks.check_shape("slot_mapping", slot_mapping, (None,))
         if slot_mapping.shape[0] < num_tokens:
             raise ValueError(f"slot_mapping: expected at least num_tokens={num_tokens} entries, "
                              f"got {slot_mapping.shape[0]}")
-        slot_mapping = slot_mapping[:num_tokens]  # past the step's tokens: graph padding
-        capacity = None
-        if self.num_cache_blocks is not None:  # once per step, so that insert_kv need not per layer
-            capacity = self.num_cache_blocks * BLOCK_SIZE
-            checks.check_ids_in_range("slot_mapping", slot_mapping[slot_mapping >= 0], capacity)
-        if capacity is not None and self.kernels is not None and self.kernels.target in InsertKvGpuSpec.targets:
-            token_index, slots = self._stable_insert_buffers(slot_mapping)  # whole: the GPU writer skips -1
+        max_block, max_slot = self._check_ids(block_table, seq, slot_mapping, num_tokens)
+
+        # the step's tensors, into the stable buffers
+        cols = block_table.shape[1]
+        bt = self._block_table.view(num_reqs, cols)
+        bt.copy_(block_table)
+        page16 = self.page16_block_table_buffer[:num_reqs, :cols]
+        page16.copy_(self._rebase(RebaseBlockTableSpec, bt, 2))
+        seqs = self._seq_lens.view(num_reqs)
+        seqs.copy_(seq_lens)
+        slots = self._slots.view(num_tokens)
+        slots.copy_(slot_mapping[:num_tokens])
+        page16_slots = self._page16_slots.view(num_tokens)
+        page16_slots.copy_(self._rebase(RebaseSlotsSpec, slots, None))
+
+        decode = prefill = None
+        if num_decodes:
+            decode = DecodeMetadata(bt[:num_decodes], seqs[:num_decodes], decode_query_len, page16[:num_decodes])
+        if num_decodes < num_reqs:
+            cu = self._cu_seqlens_q.view(num_reqs - num_decodes + 1)
+            cu.copy_(query_start_loc[num_decodes:] - query_start_loc[num_decodes])
+            ctx = self._context_lens.view(num_reqs - num_decodes)
+            ctx.copy_(num_computed_tokens[num_decodes:])
+            n = num_tokens - num_decode_tokens
+            req, pos = query_token_positions(cu, ctx, n)
+            query_req_id, query_abs_pos = self._query_req_id.view(n), self._query_abs_pos.view(n)
+            query_req_id.copy_(req)
+            query_abs_pos.copy_(pos)
+            prefill = PrefillMetadata(bt[num_decodes:], cu, seqs[num_decodes:], ctx, query_req_id, query_abs_pos,
+                                      page16[num_decodes:])
+        if self.kernels is not None and self.kernels.target in InsertKvGpuSpec.targets:
+            token_index, insert_slots = self._token_index.view(num_tokens), slots  # the GPU writer skips < 0
         else:
-            token_index, slots = _written_tokens(slot_mapping)
+            keep = (slots >= 0).nonzero().reshape(-1)  # the portable writer takes written tokens only
+            token_index, insert_slots = keep.int(), slots[keep]
+        step = [t for t in (bt, seqs, slots, token_index, insert_slots) if t is not None]
+        if prefill is not None:
+            step += [prefill.cu_seqlens_q, prefill.context_lens, prefill.query_req_id, prefill.query_abs_pos]
+        step_key = (num_tokens, num_decodes, decode_query_len, *((s.data_ptr(), tuple(s.shape)) for s in step))
         return MsaMetadata(num_tokens, num_decodes, num_decode_tokens, num_reqs - num_decodes,
-                           num_tokens - num_decode_tokens, decode, prefill, slot_mapping, token_index, slots,
-                           capacity)
+                           num_tokens - num_decode_tokens, decode, prefill, slots, page16_slots, token_index,
+                           insert_slots, max_block, max_slot, step_key)
 
-    def _stable_insert_buffers(self, slot_mapping):
-        """(0..n-1, the slots) as int32 views of buffers kept across steps (reallocated only for a
-        larger step or another device), the slots copied in."""
-        n, device = slot_mapping.shape[0], slot_mapping.device
-        bufs = self._insert_buffers
-        if bufs is None or bufs[0].shape[0] < n or bufs[0].device != device:
-            size = max(n, 1)
-            bufs = self._insert_buffers = (torch.arange(size, dtype=torch.int32, device=device),
-                                           torch.empty(size, dtype=torch.int32, device=device))
-        slots = bufs[1][:n]
-        slots.copy_(slot_mapping)
-        return bufs[0][:n], slots
-
-    def _rebase(self, block_table):
-        if self.kernels is None or block_table.numel() == 0:
-            return block_table * 2
-        (out,) = self.kernels.run(RebaseBlockTableSpec(MsaConfig()), block_table, out_dtypes=[torch.int32])
+    def _rebase(self, spec_cls, t, factor):
+        """The page-16 rebase of a block table (factor 2) or a slot mapping through the library's
+        compiled kernel; in torch when the builder has no library or nothing to rebase."""
+        if self.kernels is None or t.numel() == 0:
+            if factor:
+                return t * factor
+            return torch.div(t.clamp(min=0), BLOCK_SIZE, rounding_mode="floor") * BLOCK_SIZE + t
+        (out,) = self.kernels.run(spec_cls(MsaConfig()), t, out_dtypes=[torch.int32])
         return out

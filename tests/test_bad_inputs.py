@@ -1,0 +1,207 @@
+"""No input gives silent garbage: every bad input is refused by name, before anything is written
+(docs/SPEC.md, "Bad inputs"), and the padded decode batch vLLM builds for CUDA graphs is served."""
+import pytest
+import torch
+
+from msa_iree import reference as R
+from msa_iree.layout import allocate_kv_cache, pack_kv_cache
+from msa_iree.runtime import MetadataBuilder, SparseAttention, insert_kv
+from tolerances import assert_attend_close
+
+BF16 = torch.bfloat16
+
+
+def i32(x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+@pytest.fixture(scope="module")
+def layer(host_kernels):
+    """A bf16 layer over a 64-block interleaved cache of random K/V."""
+    g = torch.Generator().manual_seed(2027)
+    k, v = (torch.randn(64, 128, 1, 128, generator=g).to(BF16) for _ in range(2))
+    k_cache, v_cache = pack_kv_cache(k, v, "interleaved")
+    attn = SparseAttention(16, 1, 128, 128 ** -0.5, BF16, kernels=host_kernels)
+    return attn, k_cache, v_cache, g
+
+
+def decode_step(builder, block_table, seq_lens, **kw):
+    n = len(seq_lens)
+    seq = i32(seq_lens)
+    return builder.build(i32(block_table), seq, torch.arange(n + 1, dtype=torch.int32), seq - 1, 1, n, **kw)
+
+
+def topk_own_and_first(seq_lens):
+    """Each token selects its own block and block 0."""
+    rows = [[(s - 1) // 128, 0] + [-1] * 14 if s > 128 else [0] + [-1] * 15 for s in seq_lens]
+    return i32([rows])
+
+
+def queries(g, n):
+    return torch.randn(n, 16, 128, generator=g).to(BF16)
+
+
+def untouched(shape):
+    return torch.full(shape, float("nan"), dtype=BF16)
+
+
+# ---- each bad input of the runtime, refused before anything is written ----
+
+def test_a_context_longer_than_the_block_table_is_refused(host_kernels):
+    """seq_len 700 needs 6 columns; a 2-column table would have the kernels clamp a top-k block's
+    column into the table (finite numbers from the wrong block)."""
+    for cache_blocks in (None, 64):
+        builder = MetadataBuilder(4, 4096, num_cache_blocks=cache_blocks, kernels=host_kernels)
+        with pytest.raises(IndexError, match=r"block_table: expected at least cdiv\(seq_len, 128\) = 6 columns for "
+                                             r"request 0 \(seq_len 700\), got 2 columns"):
+            decode_step(builder, [[3, 4]], [700])
+
+
+def test_a_negative_block_id_inside_a_context_is_refused(host_kernels):
+    builder = MetadataBuilder(4, 4096, kernels=host_kernels)
+    for bad in (-1, -7):
+        with pytest.raises(IndexError, match=f"block_table: expected a cache block id >= 0 for every block of a "
+                                             f"request's context, got {bad} at request 1, column 1 \\(seq_len 300\\)"):
+            decode_step(builder, [[5, 6, 7], [8, bad, 9]], [300, 300])
+    decode_step(builder, [[5, 6, -1], [8, 9, 10]], [200, 300])  # past a context: padding, accepted
+
+
+def test_a_block_id_past_the_cache_is_refused_by_the_layer(layer, host_kernels):
+    """Without num_cache_blocks the builder cannot know the cache: the layer compares the step's
+    largest block id (an int the builder found) with its cache, with no sync, before writing."""
+    attn, k_cache, v_cache, g = layer
+    md = decode_step(MetadataBuilder(4, 4096, kernels=host_kernels), [[500, 3]], [200])
+    assert md.max_block_id == 500
+    q, out = queries(g, 1), untouched((1, 16, 128))
+    with pytest.raises(IndexError, match="block_table: expected cache block ids below k_cache's 64 blocks, got 500"):
+        attn.forward(q, k_cache, v_cache, out, topk_own_and_first([200]), md)
+    assert out.isnan().all()
+    with pytest.raises(IndexError, match=r"block_table: expected ids in \[0, 64\) \(num_cache_blocks\), got 500"):
+        decode_step(MetadataBuilder(4, 4096, num_cache_blocks=64, kernels=host_kernels), [[500, 3]], [200])
+
+
+def test_a_sequence_longer_than_max_model_len_is_refused(host_kernels):
+    builder = MetadataBuilder(4, 1000, kernels=host_kernels)
+    with pytest.raises(ValueError, match="seq_lens: expected at most max_model_len=1000 tokens a request, got 1010 "
+                                         "for request 0"):
+        decode_step(builder, [[1] * 8], [1010])
+
+
+def test_metadata_none_is_a_profiling_run_and_anything_else_is_refused(layer, host_kernels):
+    attn, k_cache, v_cache, g = layer
+    q, out = queries(g, 1), untouched((1, 16, 128))
+    assert attn.forward(q, k_cache, v_cache, out, topk_own_and_first([5]), None) is out
+    assert out.isnan().all()
+    for wrong in ({"layer.0": None}, "metadata", 7):
+        with pytest.raises(TypeError, match=f"metadata: expected an MsaMetadata .* or None .*, got "
+                                            f"{type(wrong).__name__}"):
+            attn.forward(q, k_cache, v_cache, out, topk_own_and_first([5]), wrong)
+
+
+def test_a_query_shorter_than_the_step_is_refused_before_any_row_is_written(layer, host_kernels):
+    """One decode and one prefill request (3 tokens): a 1-row query is refused by name, and the
+    decode part is not written first."""
+    attn, k_cache, v_cache, g = layer
+    builder = MetadataBuilder(4, 4096, kernels=host_kernels)
+    md = builder.build(i32([[5, 6], [7, 8]]), i32([200, 130]), i32([0, 1, 3]), i32([199, 128]), 1, 1)
+    topk = topk_own_and_first([200, 129, 130])
+    for rows in (1, 2):
+        out = untouched((rows, 16, 128))
+        with pytest.raises(ValueError, match=f"query: expected at least num_actual_tokens=3 rows \\(the step's "
+                                             f"tokens\\), got {rows}"):
+            attn.forward(queries(g, rows), k_cache, v_cache, out, topk, md)
+        assert out.isnan().all()
+    with pytest.raises(ValueError, match="topk: expected at least num_actual_tokens=3 rows"):
+        attn.forward(queries(g, 3), k_cache, v_cache, untouched((3, 16, 128)), topk[:, :2], md)
+
+
+def test_rows_past_the_step_are_left_untouched(layer, host_kernels):
+    attn, k_cache, v_cache, g = layer
+    md = decode_step(MetadataBuilder(4, 4096, kernels=host_kernels), [[5, 6], [7, 8]], [200, 129])
+    q, out = queries(g, 5), untouched((5, 16, 128))  # vLLM's buffers hold more rows than a step
+    topk = torch.cat([topk_own_and_first([200, 129]), torch.full((1, 3, 16), -1, dtype=torch.int32)], 1)
+    attn.forward(q, k_cache, v_cache, out, topk, md)
+    assert not out[:2].isnan().any() and out[2:].isnan().all()
+
+
+# ---- the padded decode batch (vLLM's full CUDA graphs) ----
+
+def test_a_decode_batch_padded_as_vllm_pads_it_is_served(layer, host_kernels):
+    """Two decode requests of L = 2, padded to four: the padding requests have query length 0 and
+    seq_len 0 and stand at the end, their L tokens counted in num_actual_tokens (vLLM's
+    split_decodes_and_prefills then counts every request a decode). Their rows are zero, nothing is
+    written for them, and the real rows are the reference's."""
+    attn, k_cache, v_cache, g = layer
+    builder = MetadataBuilder(8, 4096, kernels=host_kernels)
+    bt = i32([[5, 6], [7, 8], [0, 0], [0, 0]])
+    seq, qsl, computed = i32([200, 130, 0, 0]), i32([0, 2, 4, 4, 4]), i32([198, 128, 0, 0])
+    slots = i32([6 * 128 + 70, 6 * 128 + 71, 8 * 128 + 0, 8 * 128 + 1, -1, -1, -1, -1])
+    md = builder.build(bt, seq, qsl, computed, 2, 4, slot_mapping=slots, num_actual_tokens=8)
+    assert (md.num_actual_tokens, md.num_decodes, md.num_decode_tokens, md.num_prefills) == (8, 4, 8, 0)
+    assert md.insert_slots.tolist() == slots[:4].tolist()  # the padding's slots written nowhere
+    topk = torch.cat([topk_own_and_first([199, 200, 129, 130]), torch.full((1, 4, 16), -1, dtype=torch.int32)], 1)
+    q, out = queries(g, 8), untouched((8, 16, 128))
+    attn.forward(q, k_cache, v_cache, out, topk, md)
+    ref = torch.empty_like(q)
+    R.sparse_attn_decode(q, k_cache, v_cache, topk, bt, seq, 1, 128 ** -0.5, ref, decode_query_len=2)
+    assert_attend_close(out[:4], ref[:4], "real rows")
+    assert out[4:].eq(0).all()
+
+
+@pytest.mark.parametrize("qsl, seq, computed, num_actual_tokens, match", [
+    # the old form, padding with L tokens and seq_len 0: its seq_len contradicts its tokens
+    ([0, 1, 2], [200, 0], [199, 0], None, "seq_lens: expected num_computed_tokens \\+ query length = 1 for request 1, "
+                                          "got 0"),
+    # padding in the middle of the decodes
+    ([0, 1, 1, 2], [200, 0, 130], [199, 0, 129], 3, "decode padding: expected the padding requests of a decode batch "
+                                                    "\\(query length 0\\) at its end"),
+    # padding whose tokens num_actual_tokens does not count
+    ([0, 1, 1], [200, 0], [199, 0], 1, "num_actual_tokens: expected num_decodes \\* decode_query_len = 2 for a decode "
+                                       "batch padded with 1 requests of length 0"),
+    # padding tokens outside a padded decode batch
+    ([0, 1, 2], [200, 130], [199, 129], 4, "num_actual_tokens: expected query_start_loc\\[-1\\] = 2"),
+])
+def test_other_padding_forms_are_refused(host_kernels, qsl, seq, computed, num_actual_tokens, match):
+    builder = MetadataBuilder(8, 4096, kernels=host_kernels)
+    bt = i32([[5, 6]] * len(seq))
+    with pytest.raises(ValueError, match=match):
+        builder.build(bt, i32(seq), i32(qsl), i32(computed), 1, len(seq), num_actual_tokens=num_actual_tokens)
+
+
+def test_insert_checks_the_step_against_its_cache_without_a_sync(host_kernels):
+    kc, vc = allocate_kv_cache(2, 1, BF16, "interleaved", fill=0)
+    before = kc.clone()
+    md = decode_step(MetadataBuilder(4, 4096, kernels=host_kernels), [[0, 1, 3]], [300],
+                     slot_mapping=i32([3 * 128 + 43]))
+    key = torch.ones(1, 1, 128, dtype=BF16)
+    with pytest.raises(IndexError, match="slot_mapping: expected slots below k_cache's 256 tokens, got 427"):
+        insert_kv(host_kernels, key, key, kc, vc, md)
+    assert torch.equal(kc.view(torch.uint8), before.view(torch.uint8))
+
+
+# ---- duplicate top-k entries: AITER's page table ----
+
+def test_a_duplicated_full_block_counts_twice_and_a_duplicated_own_block_once(layer, host_kernels):
+    """msa-iree follows AITER's page table (docs/SPEC.md): checked against the formula over a cache
+    where the duplicate is a second, identical block (so that listing it twice is attending to
+    two blocks of the same tokens)."""
+    attn, k_cache, v_cache, g = layer
+    builder = MetadataBuilder(4, 4096, kernels=host_kernels)
+    md = decode_step(builder, [[5, 6, 9, 7]], [400])  # the token at 399: its own block is 3
+    q = queries(g, 1)
+    dup_full, dup_own = i32([[[0, 0, 3] + [-1] * 13]]), i32([[[3, 0, 3] + [-1] * 13]])
+    # the independent expectation: block 0's bytes also as the request's (unselected) block 2
+    from msa_iree.layout import unpack_kv_cache
+
+    k, v = unpack_kv_cache(k_cache, v_cache)
+    k2, v2 = torch.cat([k, k[5:6]]), torch.cat([v, v[5:6]])  # cache block 64 = block 5's bytes
+    table = i32([[5, 6, 64, 7]])
+    req, pos = i32([0]), i32([399])
+    want_twice = R.masked_sparse_attention(q, k2, v2, i32([[[0, 2, 3] + [-1] * 13]]), table, req, pos, 1,
+                                           128 ** -0.5)
+    want_once = R.masked_sparse_attention(q, k2, v2, i32([[[0, 3] + [-1] * 14]]), table, req, pos, 1, 128 ** -0.5)
+    for topk, want in ((dup_full, want_twice), (dup_own, want_once)):
+        out = untouched((1, 16, 128))
+        attn.forward(q, k_cache, v_cache, out, topk, md)
+        assert_attend_close(out, want.to(BF16))
+    assert (want_twice.float() - want_once.float()).abs().max() > 0.05  # the two readings differ
