@@ -33,6 +33,44 @@ def _config(args, target):
                      kv_dtype=resolve_dtype(args.kv_dtype, target), query_dtype=resolve_dtype(args.query_dtype, target))
 
 
+# MiniMax-M3: 64 query heads, 4 KV heads (replicated past TP4)
+MODEL_HEADS, MODEL_KV_HEADS = 64, 4
+# vLLM's --kv-cache-dtype names -> msa-iree's (fp8: the target's native format)
+VLLM_KV_DTYPES = {"auto": "bf16", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
+
+
+def _apply_vllm_options(args):
+    """The kernel set a vLLM configuration of MiniMax-M3 needs: per-rank heads from the tensor
+    parallel size, the KV dtype from vLLM's name, L = 1 .. 1 + speculative tokens, and the
+    interleaved cache layout (where vLLM's page-16 path lands for this model)."""
+    vllm_given = [o for o in ("tensor_parallel_size", "kv_cache_dtype", "num_speculative_tokens")
+                  if getattr(args, o) is not None]
+    if not vllm_given:
+        args.num_heads = 16 if args.num_heads is None else args.num_heads
+        args.num_kv_heads = 1 if args.num_kv_heads is None else args.num_kv_heads
+        args.layouts = args.layouts or ["interleaved", "planes"]
+        return
+    if args.tensor_parallel_size is None:
+        raise UsageError(f"--{vllm_given[0].replace('_', '-')}: expected with --tensor-parallel-size (a vLLM "
+                         "configuration), got it alone")
+    tp = args.tensor_parallel_size
+    if tp < 1 or MODEL_HEADS % tp:
+        raise UsageError(f"--tensor-parallel-size: expected a divisor of MiniMax-M3's {MODEL_HEADS} query heads, got {tp}")
+    if args.num_heads is not None or args.num_kv_heads is not None:
+        raise UsageError("--num-heads/--num-kv-heads: expected none with --tensor-parallel-size (it sets them), got both")
+    args.num_heads, args.num_kv_heads = MODEL_HEADS // tp, max(1, MODEL_KV_HEADS // tp)
+    kv = args.kv_cache_dtype or "auto"
+    if kv not in VLLM_KV_DTYPES:
+        raise UsageError(f"--kv-cache-dtype: expected one of {sorted(VLLM_KV_DTYPES)} (vLLM's names msa-iree builds), "
+                         f"got {kv!r}")
+    args.kv_dtype = VLLM_KV_DTYPES[kv]
+    k = args.num_speculative_tokens or 0
+    if not 0 <= k <= 7:
+        raise UsageError(f"--num-speculative-tokens: expected 0..7, got {k}")
+    args.decode_query_lens = list(range(1, k + 2))
+    args.layouts = args.layouts or ["interleaved"]
+
+
 def _check_compile_options(args):
     from .compile import TARGETS
 
@@ -50,6 +88,7 @@ def _check_compile_options(args):
 def cmd_compile(args):
     from .compile import VERIFIED_ON, build, request_key, up_to_date
 
+    _apply_vllm_options(args)
     _check_compile_options(args)
     t0 = time.perf_counter()
     for target in args.target:
@@ -137,17 +176,24 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--target", type=_csv(str, "targets"), default=["gfx942"],
                    help="gfx942 (MI300X, default; compiled, never run here), host (llvm-cpu), "
                         "cuda (sm_80; the e4m3fn mma attend sm_89); a comma list")
-    c.add_argument("--num-heads", type=int, default=16, help="query heads per rank (default 16 = MiniMax-M3 TP4)")
-    c.add_argument("--num-kv-heads", type=int, default=1, help="KV heads per rank (default 1)")
+    c.add_argument("--num-heads", type=int, default=None, help="query heads per rank (default 16 = MiniMax-M3 TP4)")
+    c.add_argument("--num-kv-heads", type=int, default=None, help="KV heads per rank (default 1)")
     c.add_argument("--kv-dtype", default="fp8", help="bf16, fp16, fp8 (the target's native: e4m3fnuz on gfx942, "
                    "e4m3fn on cuda), fp8_e4m3fnuz, fp8_e4m3fn (default fp8)")
     c.add_argument("--query-dtype", default="bf16", help="bf16 or fp16 (default bf16)")
     c.add_argument("--decode-query-lens", type=_csv(int, "lengths"), default=[1, 2, 3, 4],
                    help="decode query lengths L to build, 1..8 (default 1,2,3,4: decode and speculative decode)")
-    c.add_argument("--layouts", type=_csv(str, "layouts"), default=["interleaved", "planes"],
-                   help="cache layouts: interleaved (LBHNC, stride 16), planes (LHBNC, stride 8); default both")
+    c.add_argument("--layouts", type=_csv(str, "layouts"), default=None,
+                   help="cache layouts: interleaved (LBHNC, stride 16), planes (LHBNC, stride 8); default both "
+                        "(for a vLLM configuration: interleaved, where vLLM's page-16 path lands for MiniMax-M3)")
     c.add_argument("--out", help="output directory (default build/<target>)")
     c.add_argument("--emit-mlir", action="store_true", help="keep each kernel's MLIR under <out>/mlir")
+    v = c.add_argument_group("a vLLM configuration of MiniMax-M3 (instead of the options above: exactly its kernels)")
+    v.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="vLLM's tensor parallel size: 64/TP query heads and max(1, 4/TP) KV heads a rank")
+    v.add_argument("--kv-cache-dtype", default=None, help="vLLM's --kv-cache-dtype: auto/bfloat16 or fp8/fp8_e4m3")
+    v.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="vLLM's speculative tokens K: decode query lengths 1..K+1 (default 0)")
     c.set_defaults(fn=cmd_compile)
     i = sub.add_parser("inspect", help="per-kernel gfx942 resources and dispatch counts of a build")
     i.add_argument("build_dir", help="a gfx942 build directory (or its manifest.json)")

@@ -130,3 +130,26 @@ def test_request_key_short_circuit(tmp_path):
     vmfb = next(tmp_path.glob("*.vmfb"))
     vmfb.write_bytes(vmfb.read_bytes() + b"x")  # a tampered module is not up to date
     assert not C.up_to_date(tmp_path, key)
+
+
+@pytest.mark.parametrize("argv, heads, kv_heads, kv, lens", [
+    (["--tensor-parallel-size", "4", "--kv-cache-dtype", "fp8"], 16, 1, "fp8_e4m3fnuz", [1]),
+    (["--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8_e4m3", "--num-speculative-tokens", "3"], 8, 1,
+     "fp8_e4m3fnuz", [1, 2, 3, 4]),
+    (["--tensor-parallel-size", "2"], 32, 2, "bf16", [1]),
+])
+def test_compile_builds_the_kernel_set_of_a_vllm_configuration(monkeypatch, tmp_path, argv, heads, kv_heads, kv, lens):
+    """MiniMax-M3 at TP N: 64/N query heads and max(1, 4/N) KV heads a rank, vLLM's KV dtype
+    names (fp8: the target's own), L up to 1 + speculative tokens, the interleaved layout."""
+    seen = {}
+
+    def fake_build(cfg, targets, out, strides, decode_query_lens, **kw):
+        seen.update(cfg=cfg, strides=strides, lens=decode_query_lens)
+        return {targets[0]: tmp_path / "manifest.json"}
+
+    monkeypatch.setattr(C, "build", fake_build)
+    assert main(["compile", "--target", "gfx942", "--out", str(tmp_path)] + argv) == 0
+    cfg = seen["cfg"]
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.kv_dtype) == (heads, kv_heads, kv)
+    assert seen["strides"] == [16] and seen["lens"] == lens
+    assert main(["compile", "--target", "gfx942", "--num-heads", "16"] + argv) == 2  # heads come from the TP size
