@@ -191,7 +191,7 @@ def test_the_builder_gives_what_vllms_aiter_builder_gives(plugin, monkeypatch, n
 
 # ---- the impl inside a forward context ----
 
-def vllm_layer(kv_dtype, num_kv_heads, layout, impl, num_blocks=12, topk_rows=256):
+def vllm_layer(kv_dtype, num_kv_heads, layout, impl, num_blocks=12, topk_rows=256, per_token_scales=False):
     """What the impl reads off vLLM's MiniMax-M3 layer: its cache as vLLM allocates it ([blocks, 2,
     128, H * 128], raw bytes for fp8; LBHNC interleaves a block's K and V, LHBNC stores planes),
     viewed by vLLM's own `_ensure_aiter_sparse_pa_kv_cache`, the shared top-k buffer, the scales."""
@@ -211,6 +211,8 @@ def vllm_layer(kv_dtype, num_kv_heads, layout, impl, num_blocks=12, topk_rows=25
         topk_indices_buffer=torch.full((num_kv_heads, topk_rows, 16), -1, dtype=torch.int32),
         sparse_bt_buffer=None, sparse_ctx_buffer=None,
         _k_scale=torch.tensor(0.37), _v_scale=torch.tensor(1.9))
+    if per_token_scales:  # [H, cache tokens], by logical slot
+        layer._k_scale, layer._v_scale = (0.1 + torch.rand(num_kv_heads, num_blocks * 128, generator=g) for _ in range(2))
     cls = amd_model.MiniMaxM3SparseAttention
     layer._ensure_aiter_sparse_pa_kv_cache = lambda: cls._ensure_aiter_sparse_pa_kv_cache(layer)
     layer.get_aiter_sparse_pa_kv_cache = lambda: cls.get_aiter_sparse_pa_kv_cache(layer)
@@ -239,20 +241,20 @@ def topk_rows(g, positions, topk=16):
     return rows
 
 
-CASES = [  # (step name, kv dtype, KV heads, layout, the platform's fp8)
-    ("decode", FNUZ, 1, "interleaved", FNUZ),
-    ("spec-decode", FNUZ, 1, "interleaved", FNUZ),
-    ("mixed", FNUZ, 1, "planes", FNUZ),
-    ("padded", FNUZ, 1, "interleaved", FNUZ),
-    ("decode", FN, 1, "interleaved", FN),
-    ("mixed", BF16, 2, "interleaved", FNUZ),
-    ("spec-decode", BF16, 2, "planes", FNUZ),
+CASES = [  # (step name, kv dtype, KV heads, layout, the platform's fp8, per-token scales)
+    ("decode", FNUZ, 1, "interleaved", FNUZ, False),
+    ("spec-decode", FNUZ, 1, "interleaved", FNUZ, True),
+    ("mixed", FNUZ, 1, "planes", FNUZ, False),
+    ("padded", FNUZ, 1, "interleaved", FNUZ, False),
+    ("decode", FN, 1, "interleaved", FN, False),
+    ("mixed", BF16, 2, "interleaved", FNUZ, False),
+    ("spec-decode", BF16, 2, "planes", FNUZ, False),
 ]
 
 
-@pytest.mark.parametrize("name, kv, h, layout, platform_fp8", CASES,
-                         ids=[f"{c[0]}-{str(c[1])[6:]}-h{c[2]}-{c[3]}" for c in CASES])
-def test_the_impl_attends_as_the_reference(plugin, monkeypatch, name, kv, h, layout, platform_fp8):
+@pytest.mark.parametrize("name, kv, h, layout, platform_fp8, per_token", CASES,
+                         ids=[f"{c[0]}-{str(c[1])[6:]}-h{c[2]}-{c[3]}{'-token' if c[5] else ''}" for c in CASES])
+def test_the_impl_attends_as_the_reference(plugin, monkeypatch, name, kv, h, layout, platform_fp8, per_token):
     """A step through vLLM's interface: the builder's metadata in a forward context, K/V written
     through the layer's patched `_insert_aiter_sparse_pa_kv`, the attend through the impl's
     forward (vLLM's signature), against msa-iree's reference on the same cache bytes."""
@@ -260,7 +262,7 @@ def test_the_impl_attends_as_the_reference(plugin, monkeypatch, name, kv, h, lay
     cm = dict(steps())[name]
     impl = plugin.MsaIreeImpl(16 * h, 128, SCALE, h, "auto" if kv == BF16 else "fp8", topk_blocks=16,
                               sparse_block_size=128)
-    layer = vllm_layer(kv, h, layout, impl)
+    layer = vllm_layer(kv, h, layout, impl, per_token_scales=per_token)
     builder = plugin.MsaIreeMetadataBuilder(SPEC, [layer.layer_name], vllm_config(), torch.device("cpu"))
     md = builder.build(0, cm)
     n = md.num_actual_tokens
