@@ -182,9 +182,9 @@ def compiled_module(spec, target: str, extra_flags=(), mlir_dir=None, isa_dir=No
 
 
 def launch_plan(spec, target: str, extra_flags=(), key=None):
-    """`main` lowered to HAL, from which msa_iree.launch launches the kernel on torch's stream:
-    for the cuda GPU-level kernels that write only into their operands (`spec.written_operands`),
-    else None. key: as compiled_module's."""
+    """`main` lowered to HAL, from which the runtime's stream launchers launch the kernel on
+    torch's stream: for the GPU-level kernels that write only into their operands
+    (`spec.written_operands`), else None. key: as compiled_module's."""
     if not _launchable(spec, target):
         return None
     key = key or content_key(spec, target, extra_flags)
@@ -206,8 +206,8 @@ def hal_main(hal_text: str) -> str:
 
 
 def _launchable(spec, target: str) -> bool:
-    """Whether a build of `spec` for `target` carries a launch plan."""
-    return target == "cuda" and bool(getattr(spec, "written_operands", None))
+    """Whether a build of `spec` for `target` carries a launch plan (the in-place GPU kernels)."""
+    return target in ("cuda", "gfx942") and bool(getattr(spec, "written_operands", None))
 
 
 def sha256(data: bytes) -> str:

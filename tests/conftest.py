@@ -7,8 +7,8 @@ import pytest
 # Compiled modules are content-addressed: reuse them across tests and runs (CI starts empty).
 os.environ.setdefault("MSA_IREE_CACHE", str(pathlib.Path(__file__).resolve().parent.parent / "build" / "test-cache"))
 
-# tests/vllm/ runs where vLLM is installed (its own environment: tests/test_vllm_env.py runs it there)
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+# tests/vllm_plugin/ runs where vLLM is installed (its own environment: tests/test_vllm_env.py runs it there)
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_plugin"]
 
 
 @pytest.fixture(scope="session")

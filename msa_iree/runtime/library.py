@@ -95,15 +95,16 @@ class KernelLibrary:
     it is compiled on first use (seconds to a minute each) into the shared content cache
     (MSA_IREE_CACHE), which is what a library without a build directory needs.
 
-    stream_launch (cuda): kernels that write in place and whose build saved a launch plan (every
-    cuda build of `msa-iree compile` does) are launched on torch's current stream by
-    runtime/cuda_launch.py, queued rather than waited for, and capturable by CUDA graphs; False calls
-    them through IREE's runtime, which runs them on its own stream and waits for them.
-    dependent_launch (stream launches): launch each kernel as a programmatic dependent launch, its
-    launch overlapping the previous kernel's tail; None (default): where the GPU has them (sm_90+).
-    l2_evict_first (stream launches): kernels that read each K/V page once (`spec.kv_read_once`:
-    decode with one query token a sequence) mark their global loads L2 evict-first
-    (msa_iree.launch.with_l2_evict_first); False launches the PTX as IREE wrote it.
+    stream_launch (cuda, hip): kernels that write in place and whose build saved a launch plan
+    (every cuda and gfx942 build of `msa-iree compile` does) are launched on torch's current stream
+    by runtime/cuda_launch.py or runtime/hip_launch.py (the latter NOT RUN: no AMD GPU was
+    available), queued rather than waited for, and capturable by CUDA / HIP graphs; False calls them
+    through IREE's runtime, which runs them on its own stream and waits for them.
+    dependent_launch (CUDA stream launches): launch each kernel as a programmatic dependent launch,
+    its launch overlapping the previous kernel's tail; None (default): where the GPU has them (sm_90+).
+    l2_evict_first (CUDA stream launches): kernels that read each K/V page once
+    (`spec.kv_read_once`: decode with one query token a sequence) mark their global loads L2
+    evict-first (cuda_launch.with_l2_evict_first); False launches the PTX as IREE wrote it.
     """
 
     _devices: dict[str, object] = {}
@@ -115,8 +116,8 @@ class KernelLibrary:
         self.build_dir = pathlib.Path(build_dir) if build_dir else None
         self.compile_missing = compile_missing
         # cuda: in-place kernels whose build saved a launch plan run on torch's current stream
-        # (msa_iree.launch: queued, not waited for); else through IREE's synchronous call
-        self.stream_launch = stream_launch and self.driver == "cuda"
+        # (runtime/cuda_launch.py, runtime/hip_launch.py: queued, not waited for); else IREE's synchronous call
+        self.stream_launch = stream_launch and self.driver in ("cuda", "hip")
         # stream launches as programmatic dependent launches (each kernel's launch overlaps the
         # tail of the kernel before it): None = where the GPU has them (sm_90 and later)
         self._dependent_launch_wanted = dependent_launch
@@ -223,28 +224,33 @@ class KernelLibrary:
                                "use a bf16/fp16 KV cache on this GPU")
 
     def stream_kernel(self, spec: KernelSpec):
-        """The kernel as a msa_iree.launch.StreamKernel when this library launches on torch's
+        """The kernel as a StreamKernel (cuda) or HipStreamKernel (hip) when this library launches on torch's
         stream and the build saved the kernel's launch plan; else None (IREE's call)."""
         sk = self._stream_kernels.get(spec.name, False)
         if sk is False:
             sk = None
             entry = self.manifest["kernels"].get(spec.name) if self.stream_launch else None
             if entry is not None and "launch_plan" in entry:
-                from .cuda_launch import StreamKernel
-
                 self._check_arch(spec)
                 vmfb, plan = (self._verified(e) for e in (entry, entry["launch_plan"]))
-                sk = StreamKernel(spec.name, vmfb, plan.decode(), dependent_launch=self.dependent_launch,
-                                  l2_evict_first=self.l2_evict_first and getattr(spec, "kv_read_once", False))
+                if self.driver == "hip":  # NOT RUN: no AMD GPU was available
+                    from .hip_launch import HipStreamKernel
+
+                    sk = HipStreamKernel(spec.name, vmfb, plan.decode())
+                else:
+                    from .cuda_launch import StreamKernel
+
+                    sk = StreamKernel(spec.name, vmfb, plan.decode(), dependent_launch=self.dependent_launch,
+                                      l2_evict_first=self.l2_evict_first and getattr(spec, "kv_read_once", False))
             self._stream_kernels[spec.name] = sk
         return sk
 
     @functools.cached_property
     def dependent_launch(self) -> bool:
-        """Whether stream launches are programmatic dependent launches (msa_iree.launch.
+        """Whether stream launches are programmatic dependent launches (cuda_launch.
         with_dependent_launch): by default where the current GPU has them (compute capability 9.0+)."""
         wanted = self._dependent_launch_wanted
-        if not self.stream_launch or wanted is False:
+        if not self.stream_launch or self.driver != "cuda" or wanted is False:
             return False
         major, minor = torch.cuda.get_device_capability()
         if wanted and major < 9:
