@@ -307,3 +307,85 @@ def _insert_scale(scale, slots, num_kv_heads):
     if scale.numel() == 1:
         return scale.reshape(1, 1, 1).float()
     return scale[:, slots].T.float()[:, :, None]
+
+
+# ---- the indexer: block scores and top-k (docs/SPEC.md, "The indexer") ----------------------
+
+FORCED_INIT_SCORE, FORCED_LOCAL_SCORE, NAN_SCORE = 1e30, 1e29, -1e30
+
+
+def insert_index_cache(index_k, index_cache, slot_mapping):
+    """Write each token's index key into the key-only index cache in place.
+
+    index_k [N, 128] bf16/fp8; index_cache [blocks, 128, 128] (bf16 or fp8 e4m3fn), written at
+    (slot // 128, slot % 128), cast to the cache's dtype with no scale; slot < 0 is skipped.
+    """
+    checks.check_shape("index_k", index_k, (None, HEAD_DIM))
+    checks.check_shape("index_cache", index_cache, (None, BLOCK_SIZE, HEAD_DIM))
+    checks.check_shape("slot_mapping", slot_mapping, (index_k.shape[0],))
+    keep = slot_mapping >= 0
+    checks.check_ids_in_range("slot_mapping", slot_mapping[keep], index_cache.shape[0] * BLOCK_SIZE)
+    slots = slot_mapping[keep].long()
+    index_cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = index_k[keep].to(index_cache.dtype)
+
+
+def index_block_scores(index_q, index_cache, index_block_table, req_id, abs_pos):
+    """score [H, T, blocks] fp32 of every (index head, token, logical block): the max over the
+    block's positions p <= abs_pos of dot(index_q[t, h], index key of p), in fp32 from the stored
+    values, unscaled; -inf for a block with no such position (past the token, or a padded row).
+
+    index_q [T, H, 128]; index_cache [cache blocks, 128, 128]; index_block_table [reqs, cols]
+    int32 (the index cache's own block ids); req_id, abs_pos [T] int32.
+    """
+    num_tokens, num_heads, _ = index_q.shape
+    num_blocks = max(int(abs_pos.max()) // BLOCK_SIZE + 1, 1) if num_tokens else 1
+    scores = torch.full((num_heads, num_tokens, num_blocks), float("-inf"))
+    for t in range(num_tokens):
+        pos = int(abs_pos[t])
+        if pos < 0:
+            continue
+        p = torch.arange(pos + 1)
+        keys = index_cache[index_block_table[int(req_id[t]), p // BLOCK_SIZE].long(), p % BLOCK_SIZE].float()
+        dots = index_q[t].float() @ keys.T                                   # [H, pos + 1]
+        for b in range(pos // BLOCK_SIZE + 1):
+            scores[:, t, b] = dots[:, b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE].max(-1).values
+    return scores
+
+
+def index_topk(index_q, index_cache, index_block_table, req_id, abs_pos, init_blocks=0, local_blocks=1, topk=16):
+    """topk [H, T, topk] int32: each token's highest-scoring logical blocks, highest first.
+
+    Only blocks b <= abs_pos // 128 are candidates. The first `init_blocks` score 1e30, the last
+    `local_blocks` candidates (the token's own block, for 1) 1e29 (a block that is both: 1e29); a
+    NaN score counts as -1e30. Ties go to the smaller block id. k = min(topk, candidates) ids,
+    the rest -1 (all -1 for a padded row).
+    """
+    scores = index_block_scores(index_q, index_cache, index_block_table, req_id, abs_pos)
+    num_heads, num_tokens, num_blocks = scores.shape
+    b = torch.arange(num_blocks)
+    candidates = (abs_pos.long().clamp(min=-1) // BLOCK_SIZE + 1).clamp(min=0)  # [T]; 0 for a padded row
+    visible = b[None, :] < candidates[:, None]                               # [T, blocks]
+    scores = torch.where(scores.isnan(), NAN_SCORE, scores)
+    scores = torch.where(visible & (b[None, :] < init_blocks), FORCED_INIT_SCORE, scores)
+    scores = torch.where(visible & (b[None, :] >= candidates[:, None] - local_blocks), FORCED_LOCAL_SCORE, scores)
+    scores = torch.where(visible, scores, float("-inf"))
+    order = torch.sort(-scores, dim=-1, stable=True).indices                 # ties: the smaller id first
+    out = torch.full((num_heads, num_tokens, topk), -1, dtype=torch.int32)
+    k = min(topk, num_blocks)
+    keep = torch.arange(k)[None, :] < candidates.clamp(max=topk)[:, None]    # [T, k]
+    out[:, :, :k] = torch.where(keep, order[:, :, :k], -1).int()
+    return out
+
+
+def index_topk_decode(index_q, index_cache, index_block_table, seq_lens, decode_query_len, **kw):
+    """Decode rows (uniform L per request): index_topk at positions seq_len - L + t % L."""
+    req, pos = decode_token_positions(seq_lens, decode_query_len)
+    return index_topk(index_q, index_cache, index_block_table, req, pos, **kw)
+
+
+def index_topk_with_table(index_q, index_cache, index_block_table, req_id, abs_pos, attend_block_table,
+                          block_page_stride, **kw):
+    """The top-k and the attend's page table for it (what AITER's gfx950 top-k emits): the table
+    resolves the selection through the *attend's* block table, not the index cache's."""
+    topk = index_topk(index_q, index_cache, index_block_table, req_id, abs_pos, **kw)
+    return (topk, *_build_sparse_rows(topk, attend_block_table, req_id, abs_pos, block_page_stride))
