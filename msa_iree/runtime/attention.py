@@ -13,7 +13,7 @@ import torch
 from .. import checks
 from ..config import DTYPES, MsaConfig, dtype_name
 from ..layout import BLOCK_SIZE, PAGES_PER_BLOCK, block_page_stride
-from ..ops import (GPU_ATTEND, NATIVE_MATRIX, GpuAttendSpec, SparseAttnDecodeFmaSpec, SparseAttnDecodeSpec,
+from ..ops import (GPU_ATTEND, NATIVE_MATRIX, SparseAttnDecodeFmaSpec, SparseAttnDecodeSpec,
                    SparseAttnPrefillFmaSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 from ..ops.fp8 import storage_dtype
 from .binding import _contiguous_copies, _LayerBinding, _refresh_copies

@@ -95,12 +95,13 @@ def queue(driver, name, launches, stream: int):
 
 
 class BoundLaunch:
-    """A StreamKernel's dispatches over operands fixed but for a few (`variable`) whose addresses
-    are given per call: a call writes those addresses and queues the kernels, nothing else (the
-    per-call host cost of a layer's attend, benchmarks/PERF.md). It keeps the fixed operands alive;
-    the caller checks that the variable ones have the shapes and dtypes it was bound with."""
+    """A stream kernel's (StreamKernel, HipStreamKernel) dispatches over operands fixed but for a
+    few (`variable`) whose addresses are given per call: a call writes those addresses and queues
+    the kernels, nothing else (the per-call host cost of a layer's attend, benchmarks/PERF.md). It
+    keeps the fixed operands alive; the caller checks that the variable ones have the shapes and
+    dtypes it was bound with."""
 
-    def __init__(self, sk: StreamKernel, tensors, variable):
+    def __init__(self, sk, tensors, variable):
         self.name, self._driver = sk.name, sk.driver
         self._keep = list(tensors)
         self._launches = [d.copy() for d in sk._dispatches(tensors)]  # argument blocks of its own

@@ -5,7 +5,6 @@ Runs in an environment with vLLM installed (.ci/run makes one; tests/test_vllm_e
 file there). The kernels are msa-iree's host build, made by `msa-iree compile` in a session
 fixture and handed to the plugin through MSA_IREE_VLLM_BUILD.
 """
-import os
 import subprocess
 import sys
 import types
@@ -22,7 +21,6 @@ from vllm.models.minimax_m3.common import sparse_attention as common  # noqa: E4
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
 from msa_iree import reference as R  # noqa: E402
-from msa_iree.layout import unpack_kv_cache  # noqa: E402
 
 BF16, FNUZ, FN = torch.bfloat16, torch.float8_e4m3fnuz, torch.float8_e4m3fn
 SCALE = 128 ** -0.5
