@@ -21,7 +21,7 @@ import ctypes
 import re
 import struct
 
-from .launch_plan import DispatchPlan, queue
+from .launch_plan import DispatchPlan, PlannedKernel
 
 def ptx_of(vmfb: bytes) -> bytes:
     """The PTX IREE stored in a cuda module (a length-prefixed string in its executable)."""
@@ -191,7 +191,7 @@ class _Launch:
                                   self.block[2], self.shared, ctypes.c_void_p(stream), self.args, None)
 
 
-class StreamKernel:
+class StreamKernel(PlannedKernel):
     """A cuda module's `main`, launched on a given stream (see the module docstring)."""
 
     def __init__(self, name: str, vmfb: bytes, plan_text: str, driver: CudaDriver | None = None,
@@ -216,39 +216,9 @@ class StreamKernel:
         self.plan = DispatchPlan(plan_text)
         self._launches = {}
 
-    def _dispatches(self, tensors):
-        """The dispatches of `main` for these operands' shapes and dtypes, worked out once and reused."""
-        key = tuple((t.shape, t.dtype) for t in tensors)
-        launches = self._launches.get(key)
-        if launches is None:
-            launches = self._launches[key] = self._prepare(tensors)
-        return launches
-
-    def _prepare(self, tensors):
-        shapes = [tuple(t.shape) for t in tensors]
-        dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
-        launches = []
-        for name, grid, constants, bindings in self.plan.evaluate(shapes, dtypes):
-            block, n_pointers, n_words = self.entries[name]
-            if (len(bindings), len(constants)) != (n_pointers, n_words):
-                raise RuntimeError(f"{self.name}: main passes {name} {len(bindings)} bindings and {len(constants)} "
-                                   f"constants, its PTX takes {n_pointers} and {n_words}")
-            launches.append(_Launch(self.functions[name], grid, block, self.shared[name], bindings, constants,
-                                    self.dependent_launch))
-        return launches
-
-    def __call__(self, tensors, stream: int):
-        """Queue `main` on `stream` (a CUstream handle) over contiguous CUDA tensors in `main`'s
-        operand order; the plan for their shapes and dtypes is worked out once and reused."""
-        launches = self._dispatches(tensors)
-        for d in launches:
-            for slot, (k, offset) in zip(d.pointers, d.bindings):
-                slot.value = tensors[k].data_ptr() + offset
-        queue(self.driver, self.name, launches, stream)
-
-    def bind(self, tensors, variable):
-        """`main` over these operands, of which those at the indices `variable` may move between
-        calls: a BoundLaunch (the plan evaluated and every other pointer written once)."""
-        from .launch_plan import BoundLaunch
-
-        return BoundLaunch(self, tensors, variable)
+    def _launch(self, name, grid, constants, bindings):
+        block, n_pointers, n_words = self.entries[name]
+        if (len(bindings), len(constants)) != (n_pointers, n_words):
+            raise RuntimeError(f"{self.name}: main passes {name} {len(bindings)} bindings and {len(constants)} "
+                               f"constants, its PTX takes {n_pointers} and {n_words}")
+        return _Launch(self.functions[name], grid, block, self.shared[name], bindings, constants, self.dependent_launch)

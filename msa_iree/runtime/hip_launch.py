@@ -19,7 +19,7 @@ import ctypes
 import dataclasses
 import struct
 
-from .launch_plan import DispatchPlan, queue
+from .launch_plan import DispatchPlan, PlannedKernel
 
 _EM_AMDGPU = 224           # ELF e_machine of an AMDGPU code object
 _NT_AMDGPU_METADATA = 32   # the note holding the msgpack kernel metadata
@@ -187,7 +187,7 @@ class _HipLaunch:
                                          self.args, None)
 
 
-class HipStreamKernel:
+class HipStreamKernel(PlannedKernel):
     """A gfx942 module's `main`, launched on a given HIP stream (see the module docstring)."""
 
     def __init__(self, name: str, vmfb: bytes, plan_text: str, driver: HipDriver | None = None):
@@ -199,35 +199,7 @@ class HipStreamKernel:
         self.module, self.functions = self.driver.load(self.hsaco, self.kernels)
         self._launches = {}
 
-    def _dispatches(self, tensors):
-        key = tuple((t.shape, t.dtype) for t in tensors)
-        launches = self._launches.get(key)
-        if launches is None:
-            launches = self._launches[key] = self._prepare(tensors)
-        return launches
-
-    def _prepare(self, tensors):
-        shapes = [tuple(t.shape) for t in tensors]
-        dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
-        launches = []
-        for name, grid, constants, bindings in self.plan.evaluate(shapes, dtypes):
-            info = self.kernels[name]
-            check_kernarg_layout(info, len(bindings), len(constants))
-            launches.append(_HipLaunch(self.functions[name], grid, info.block, 0, bindings, constants))
-        return launches
-
-    def __call__(self, tensors, stream: int):
-        """Queue `main` on `stream` (a hipStream_t) over contiguous device tensors in `main`'s
-        operand order."""
-        launches = self._dispatches(tensors)
-        for d in launches:
-            for slot, (k, offset) in zip(d.pointers, d.bindings):
-                slot.value = tensors[k].data_ptr() + offset
-        queue(self.driver, self.name, launches, stream)
-
-    def bind(self, tensors, variable):
-        """As StreamKernel.bind (runtime/cuda_launch.py): the dispatches over operands fixed but for
-        those at the indices `variable`."""
-        from .launch_plan import BoundLaunch
-
-        return BoundLaunch(self, tensors, variable)
+    def _launch(self, name, grid, constants, bindings):
+        info = self.kernels[name]
+        check_kernarg_layout(info, len(bindings), len(constants))
+        return _HipLaunch(self.functions[name], grid, info.block, 0, bindings, constants)

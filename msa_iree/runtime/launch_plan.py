@@ -94,6 +94,39 @@ def queue(driver, name, launches, stream: int):
 
 
 
+class PlannedKernel:
+    """A module's `main` launched on a stream from its launch plan: what the CUDA and HIP stream
+    kernels share. A subclass sets `name`, `driver` and `plan` and builds one dispatch's launch
+    (`_launch`: it checks the kernel takes what the plan passes)."""
+
+    def _launch(self, name, grid, constants, bindings):
+        raise NotImplementedError
+
+    def _dispatches(self, tensors):
+        """The dispatches of `main` for these operands' shapes and dtypes, worked out once and reused."""
+        key = tuple((t.shape, t.dtype) for t in tensors)
+        launches = self._launches.get(key)
+        if launches is None:
+            shapes = [tuple(t.shape) for t in tensors]
+            dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
+            launches = self._launches[key] = [self._launch(*d) for d in self.plan.evaluate(shapes, dtypes)]
+        return launches
+
+    def __call__(self, tensors, stream: int):
+        """Queue `main` on `stream` (a CUstream / hipStream_t handle) over contiguous device tensors
+        in `main`'s operand order."""
+        launches = self._dispatches(tensors)
+        for d in launches:
+            for slot, (k, offset) in zip(d.pointers, d.bindings):
+                slot.value = tensors[k].data_ptr() + offset
+        queue(self.driver, self.name, launches, stream)
+
+    def bind(self, tensors, variable):
+        """`main` over these operands, of which those at the indices `variable` may move between
+        calls: a BoundLaunch (the plan evaluated and every other pointer written once)."""
+        return BoundLaunch(self, tensors, variable)
+
+
 class BoundLaunch:
     """A stream kernel's (StreamKernel, HipStreamKernel) dispatches over operands fixed but for a
     few (`variable`) whose addresses are given per call: a call writes those addresses and queues
