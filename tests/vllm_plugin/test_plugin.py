@@ -359,3 +359,19 @@ def test_the_layer_views_are_msa_irees_layouts(plugin):
         k, v = _views(flat.view(-1, 2 * 2048), 12, 2, layout)
         for ours, theirs in ((k, k_cache), (v, v_cache)):
             assert (ours.shape, ours.stride(), ours.data_ptr()) == (theirs.shape, theirs.stride(), theirs.data_ptr())
+
+
+def test_a_cache_layout_the_page_16_views_cannot_address_is_refused(plugin):
+    """A cache stored neither as K/V planes nor block-interleaved (tokens outermost) is refused by
+    vLLM's own view code, before the impl reads it."""
+    impl = plugin.MsaIreeImpl(16, 128, SCALE, 1, "auto", topk_blocks=16, sparse_block_size=128)
+    layer = vllm_layer(BF16, 1, "interleaved", impl)
+    layer.kv_cache = torch.zeros(12, 128, 2, 128, dtype=BF16).transpose(1, 2)  # [blocks, 2, 128, C], token-major
+    with pytest.raises(RuntimeError, match="needs each K/V head slot stored as whole 16-token pages"):
+        layer.get_aiter_sparse_pa_kv_cache()
+
+
+def test_a_block_size_other_than_128_is_refused(plugin):
+    with pytest.raises(ValueError, match="requires block_size == 128, got 64"):
+        plugin.MsaIreeMetadataBuilder(types.SimpleNamespace(block_size=64), ["layer.0"], vllm_config(),
+                                      torch.device("cpu"))
