@@ -227,7 +227,7 @@ def test_a_short_workspace_is_refused(cuda_kernels):
     dev = torch.device("cuda")
     args = _module_operands(c, c.seq_lens)
     out = torch.empty_like(c.q, device=dev)
-    needed = 2 * 16 * 16 * 130  # 2 rows, 16 splits (rows <= 16), 16 heads, o + (m, l)
+    needed = 2 * spec.splits(2) * 16 * 130  # 2 rows, their splits (the tuning table), 16 heads, o + (m, l)
     short = torch.empty(needed - 1, device=dev)
     with pytest.raises(Exception, match="workspace"):
         cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, short])
