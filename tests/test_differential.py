@@ -12,12 +12,14 @@ from msa_iree.layout import BLOCK_SIZE, is_fp8, pack_kv_cache, quantize_fp8
 from msa_iree.runtime import MetadataBuilder, SparseAttention
 from tolerances import assert_attend_close
 
-BF16, FNUZ, FN = torch.bfloat16, torch.float8_e4m3fnuz, torch.float8_e4m3fn
+BF16, F16, FNUZ, FN = torch.bfloat16, torch.float16, torch.float8_e4m3fnuz, torch.float8_e4m3fn
 SCALE = 128 ** -0.5
 EDGE_LENS = (1, 2, 127, 128, 129, 255, 256, 257, 383, 384, 385, 1024, 1025)
-# (kv dtype, kv heads, layout, decode L, scale mode): a few configs, so CI compiles few modules
-CONFIGS = [(BF16, 1, "interleaved", 1, None), (FNUZ, 1, "interleaved", 4, "tensor"), (FN, 2, "planes", 2, "token"),
-           (FNUZ, 2, "planes", 1, "token"), (BF16, 1, "planes", 4, None)]
+# (kv dtype, query heads, kv heads, layout, decode L, scale mode, query dtype): configs whose modules
+# the other host tests compile too, so that CI compiles few more
+CONFIGS = [(BF16, 16, 1, "interleaved", 1, None, BF16), (FNUZ, 16, 1, "interleaved", 4, "tensor", BF16),
+           (FN, 16, 1, "planes", 4, "token", BF16), (F16, 16, 2, "planes", 1, None, F16),
+           (FN, 8, 2, "planes", 2, "token", BF16)]
 CASES_PER_CONFIG = 200  # 1000 steps in all
 
 
@@ -89,7 +91,7 @@ def random_step(g, h, L, max_len=1300):
 
 
 def run_case(g, kernels, attn, cfg, builder):
-    kv, h, layout, L, smode = cfg
+    kv, hq, h, layout, L, smode, qd = cfg
     decodes, prefills, padding = random_step(g, h, L)
     lens = decodes + [p + c for p, c in prefills] + [0] * padding
     blocks_of = [-(-n // BLOCK_SIZE) for n in lens]
@@ -120,7 +122,7 @@ def run_case(g, kernels, attn, cfg, builder):
     pos = [s - L + i if s else -1 for s in order[:nd] for i in range(L)]
     pos += [p + i for p, c in prefills for i in range(c)]
     topk = torch.tensor([[random_topk_row(g, p) for p in pos] for _ in range(h)], dtype=torch.int32)
-    q = torch.randn(n, 16 * h, 128, generator=g).to(BF16)
+    q = torch.randn(n, hq, 128, generator=g).to(qd)
     out = torch.full_like(q, float("nan"))
     attn.forward(q, k_cache, v_cache, out, topk, md, *scales)
     ref = torch.full_like(q, float("nan"))
@@ -137,11 +139,11 @@ def run_case(g, kernels, attn, cfg, builder):
     assert out[empty].eq(0).all()
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c[0]}-h{c[1]}-{c[2]}-L{c[3]}-{c[4]}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{str(c[0])[6:]}-h{c[1]}kv{c[2]}-{c[3]}-L{c[4]}-{c[5]}")
 def test_random_steps_match_the_reference(host_kernels, cfg):
-    kv, h, layout, L, _ = cfg
+    kv, hq, h, layout, L, _, qd = cfg
     g = torch.Generator().manual_seed(3000 + CONFIGS.index(cfg))
-    attn = SparseAttention(16 * h, h, 128, SCALE, kv, kernels=host_kernels)
+    attn = SparseAttention(hq, h, 128, SCALE, kv, kernels=host_kernels, query_dtype=qd)
     builder = MetadataBuilder(8, 4096, max_num_tokens=256, kernels=host_kernels)
     for _ in range(CASES_PER_CONFIG):
         run_case(g, host_kernels, attn, cfg, builder)
@@ -154,7 +156,7 @@ def test_speculative_decode_l4_with_an_fnuz_cache_and_scales(host_kernels, scale
     """Speculative decode (L = 4) over an fp8 e4m3fnuz cache with scales != 1: AITER's sparse
     attend returned garbage there on gfx942 (vLLM gates that path off)."""
     g = torch.Generator().manual_seed(52860)
-    cfg = (FNUZ, 1, "interleaved", 4, scale_mode)
+    cfg = (FNUZ, 16, 1, "interleaved", 4, scale_mode, BF16)
     attn = SparseAttention(16, 1, 128, SCALE, FNUZ, kernels=host_kernels)
     builder = MetadataBuilder(8, 4096, kernels=host_kernels)
     for _ in range(20):
