@@ -157,7 +157,8 @@ def sparse_paged_attend(q, k_cache, v_cache, sparse_bt, sparse_ctx, num_kv_heads
     num_tokens, num_heads, _ = q.shape
     group = num_heads // num_kv_heads
     rows = num_tokens * num_kv_heads
-    ids = sparse_bt.long()
+    pages = max(0, -(-int(sparse_ctx.max()) // PAGE_SIZE)) if rows else 0  # no row reads past them
+    ids = sparse_bt[:, :pages].long()
     stride = block_page_stride(k_cache, v_cache)
     k = _dequant(_gather_tokens(k_cache, ids, "k"), k_scale, ids, num_kv_heads, stride)
     v = _dequant(_gather_tokens(v_cache, ids, "v"), v_scale, ids, num_kv_heads, stride)
