@@ -250,10 +250,11 @@ def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode, matri
 
     s = Server(cuda_kernels, DTYPES[kv], DTYPES[qd], layout, h, smode, seed=11, device="cuda", gpu_matrix=matrix)
     assert s.attn.gpu_decode and s.attn.gpu_matrix == matrix
-    s.step([], [("a", 200), ("b", 130)], 1)
-    s.step(["b", None], [("a", 100), ("c", 129)], 1)
-    s.step(["a", "b", "c", None], [], 4)
-    s.step(["a", "c"], [("d", 255), ("b", 3)], 4)
+    s.step([], [("a", 200), ("b", 130)], 1)                       # two chunked prefills
+    s.step(["b"], [("a", 100), ("c", 129)], 1)                    # decode, prefills with a prefix
+    s.step(["a", "b", "c", None, None], [], 1)                   # a decode batch padded with 2 requests
+    s.step(["a", "b", "c", None], [], 4)                          # speculative decode L = 4
+    s.step(["a", "c"], [("d", 255), ("b", 3)], 4)                 # spec decode + prefills
     assert s.k_cache.device.type == "cuda"
 
 
@@ -421,13 +422,13 @@ def test_the_insert_writes_past_2_31_bytes(cuda_kernels, kv):
 @pytest.mark.parametrize("matrix, seq", [("mma", 40000), ("mma", 150000), ("mfma", 40000), ("mfma", 150000)])
 def test_page_ids_from_block_tables_either_side_of_the_lds_row(cuda_kernels, matrix, seq):
     """The matrix-core attends stage a request's whole block-table row in LDS when the table has at
-    most spec.bt_preload columns (mma 1024, mfma 256) and read each top-k entry's column from global
+    most spec.tuning.bt_preload columns (mma 1024, mfma 256) and read each top-k entry's column from global
     memory otherwise. Tables of 313 and 1172 columns (one on each side for mma, both past mfma's),
     with top-k entries in their far columns, match the reference."""
     spec = _decode_spec(matrix)
     c = testing.decode_case([seq, 129, 0, seq // 2 + 5], seed=seq % 97, keep_own_prob=1.0)
     cols = c.block_table.shape[1]
-    assert spec.bt_preload and cols == -(-seq // 128)
+    assert spec.tuning.bt_preload and cols == -(-seq // 128)
     own = (seq - 1) // 128
     c.topk[0, 0, 1:4] = torch.tensor([own - 1, own - 2, cols // 2], dtype=torch.int32)  # the far columns
     dev = torch.device("cuda")
