@@ -38,6 +38,7 @@ import argparse
 import functools
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -47,6 +48,8 @@ from msa_iree.config import DTYPES, MsaConfig
 from msa_iree.ops import SparseAttnDecodeFmaSpec, SparseAttnDecodeMfmaSpec, SparseAttnDecodeMmaSpec
 from msa_iree.layout import BLOCK_SIZE, PAGES_PER_BLOCK, SIDES_PER_BLOCK, allocate_kv_cache
 from msa_iree.runtime import KernelLibrary, MetadataBuilder, SparseAttention
+
+from . import anchor
 
 TOPK = 16
 POOL_BYTES = 256 << 20  # cache pool for the L2 rotation: >= 2 block tables' worth and ~5x the H200's 50 MiB L2
@@ -141,6 +144,10 @@ class Flushes:
     @functools.cached_property
     def dirty(self):
         return l2_flusher(self.device, dirty=True) if self.device.type == "cuda" else None
+
+    @functools.cached_property
+    def anchor(self):
+        return anchor.write_flusher(self.device) if self.device.type == "cuda" else None
 
 
 def copy_bandwidth_GBps(device, nbytes=1 << 30):
@@ -244,9 +251,12 @@ def decode_module_operands(attn, c):
 
 def check_output(out, ref, what):
     """Raise unless the compiled attend's output is the reference's within the tests' tolerance
-    (scaled for outputs larger than the tests' O(1) ones): no row is timed over a wrong result."""
+    (scaled for outputs larger than the tests' O(1) ones, plus the output dtype's rounding at the
+    largest output: fp8 cases' outputs reach ~19, where one bf16 step is 0.125): no row is timed
+    over a wrong result."""
     err = (out.float() - ref.float()).abs()
-    bound = 1.7e-2 * max(1.0, float(ref.abs().max()) / 4)
+    ref_max = float(ref.abs().max())
+    bound = 1.7e-2 * max(1.0, ref_max / 4) + torch.finfo(out.dtype).eps * ref_max
     if bool(out.isnan().any()) or float(err.max()) >= bound:
         raise RuntimeError(f"{what}: the compiled attend differs from the reference (max abs error "
                            f"{float(err.max()):.3g}, bound {bound:.3g}); not benchmarked")
@@ -254,9 +264,11 @@ def check_output(out, ref, what):
 
 
 def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rotations=16, matrix="auto",
-                 flushes=None):
+                 flushes=None, triton_module=None, anchor_only=False):
     """Correctness check and the wall-clock numbers of one decode case (no profiler in this pass:
-    CUPTI, once attached, slows every later CUDA call of the process)."""
+    CUPTI, once attached, slows every later CUDA call of the process): the anchor's protocol for
+    msa-iree and, given `triton_module` (anchor.load_triton_module), for vLLM's Triton attend on the
+    same bytes; unless `anchor_only`, the harness's other columns."""
     c, attn, out, fwd = _decode_setup(lib, device, batch, context, L, num_heads, kv_name, rotations, matrix)
     fwd()
     flushes = flushes or Flushes(device)
@@ -270,7 +282,16 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
     row = {"phase": "decode", "batch": batch, "context": context, "L": L, "q_heads": num_heads, "kv_dtype": kv_name,
            "kernel": attn.decode_spec.kernel if attn.gpu_decode else "portable", "matrix": matrix,
            "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "ref_max_abs": float(ref.abs().max()),
-           "kv_MB": c.kv_bytes / 1e6, "forward_us": wall_us(fwd, single_iters, device, flushes.clean)}
+           "kv_MB": c.kv_bytes / 1e6}
+    if device.type == "cuda":
+        stream = attn.gpu_decode and lib.stream_kernel(decode_module_operands(attn, c)[0]) is not None
+        triton = triton_module and anchor.TritonDecode(
+            triton_module, c.q, anchor.vllm_kv_cache(*c.layer_cache(0)), c.topk, c.block_table, c.seq_lens, L,
+            attn.scale, c.k_scale, c.v_scale)
+        row.update(anchor_protocol(fwd if stream else None, triton, out, ref, flushes))
+    if anchor_only:
+        return row
+    row["forward_us"] = wall_us(fwd, single_iters, device, flushes.clean)
     row["torch_us"] = events_us(eager, iters, device, flushes.clean)
     row["x_torch"] = row["torch_us"] / row["forward_us"]  # replaced by the kernel ratio when kernel time is known
     row["GBps"] = c.kv_bytes / row["forward_us"] / 1e3
@@ -283,6 +304,29 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
             row["graph_us_all"] = sorted(graph_us(lib, device, c, attn, out, iters) for _ in range(3))
             row["graph_us"] = row["graph_us_all"][1]
             row["step_us"] = step_us(lib, device, c, attn, iters)
+    return row
+
+
+def anchor_protocol(ours, triton, out, ref, flushes):
+    """The anchor's cold and warm times (anchor.cold_us, anchor.warm_us) of msa-iree's forward
+    `ours` (None where it cannot be captured in a graph: no stream launch) and of vLLM's Triton
+    attend `triton` (None: not given) on the same inputs, with the Triton output's error against
+    the reference `ref` (the compiled attend's was checked before)."""
+    row = {}
+    if ours is not None:
+        row["cold_us"] = anchor.cold_us(ours, flushes.anchor)
+        row["warm_us"] = anchor.warm_us(ours)
+    if triton is not None:
+        t_out = torch.full_like(out, float("nan"))
+        triton(t_out)
+        t_err = (t_out.float() - ref.float()).abs()
+        row.update(triton_max_abs_err=float(t_err.max()), triton_mean_abs_err=float(t_err.mean()))
+        call = lambda: triton(t_out)
+        row["triton_cold_us"] = anchor.cold_us(call, flushes.anchor)
+        row["triton_warm_us"] = anchor.warm_us(call)
+        if ours is not None:
+            row["x_triton_cold"] = row["triton_cold_us"] / row["cold_us"]
+            row["x_triton_warm"] = row["triton_warm_us"] / row["warm_us"]
     return row
 
 
@@ -378,7 +422,7 @@ def _prefill_setup(lib, device, kv_name, q_len, context, num_heads, matrix):
 
 
 def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_heads=16, matrix="auto",
-                  flushes=None):
+                  flushes=None, triton_module=None, anchor_only=False):
     """One request computing its last q_len tokens over a context of `context`: the correctness
     check and the wall-clock numbers (on cuda, add_kernel_time adds the kernel time in the run's
     last pass; on the host, where one call takes seconds and its overhead is noise, kernel_us is
@@ -393,12 +437,20 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
     eager()
     err = check_output(out, ref, f"prefill q={q_len} ctx={context} {kv_name}")
     flushes = flushes or Flushes(device)
-    forward_us = wall_us(fwd, iters, device, flushes.clean)
-    torch_us = events_us(eager, iters, device, flushes.clean)
     row = {"phase": "prefill", "batch": 1, "context": context, "L": q_len, "q_heads": num_heads, "kv_dtype": kv_name,
            "kernel": attn.prefill_spec.kernel if attn.gpu_decode else "portable", "matrix": matrix,
            "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "ref_max_abs": float(ref.abs().max()),
-           "kv_MB": c.kv_bytes / 1e6, "forward_us": forward_us, "torch_us": torch_us}
+           "kv_MB": c.kv_bytes / 1e6}
+    if device.type == "cuda":
+        triton = triton_module and anchor.TritonPrefill(
+            triton_module, c.q, anchor.vllm_kv_cache(*c.layer_cache(0)), c.topk, c.block_table, c.seq_lens,
+            attn.scale, c.k_scale, c.v_scale)
+        stream = attn.gpu_decode and lib.stream_kernel(attn._spec(attn.prefill_spec, 16)) is not None
+        row.update(anchor_protocol(fwd if stream else None, triton, out, ref, flushes))
+    if anchor_only:
+        return row
+    row["forward_us"] = forward_us = wall_us(fwd, iters, device, flushes.clean)
+    row["torch_us"] = torch_us = events_us(eager, iters, device, flushes.clean)
     if device.type != "cuda":
         row.update(kernel_us=forward_us, kernels_us={}, kernel_dirty_us=None, forward_over_kernel=1.0,
                    GBps=c.kv_bytes / forward_us / 1e3, x_torch=torch_us / forward_us)
@@ -407,9 +459,9 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
 
 def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_lens=(1, 4), prefill=True):
     """The compiled kernels a bench run calls (stride 16: the interleaved cache the cases use)."""
-    from msa_iree.ops import RebaseBlockTableSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec
+    from msa_iree.ops import SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec, builder_specs
 
-    specs = [RebaseBlockTableSpec(MsaConfig())]
+    specs = builder_specs()
     for kv in kv_dtypes:
         for hq in heads:
             cfg = MsaConfig(num_heads=hq, kv_dtype=kv)
@@ -422,9 +474,10 @@ def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_le
 
 
 def dtype_rows(lib, device, kv_name, heads, query_lens, contexts, batches, iters, matrix="auto", prefill=False,
-               flushes=None):
+               flushes=None, triton_module=None, anchor_only=False):
     """A run's first pass over one KV dtype, in its order: bench_decode for every (query heads, L,
     context, batch) the matrix variant supports, then bench_prefill; each row yielded as measured."""
+    extra = {"flushes": flushes, "triton_module": triton_module, "anchor_only": anchor_only}
     for hq in heads:
         if matrix == "mma" and not SparseAttnDecodeMmaSpec.supports(MsaConfig(num_heads=hq, kv_dtype=kv_name)):
             continue
@@ -433,15 +486,40 @@ def dtype_rows(lib, device, kv_name, heads, query_lens, contexts, batches, iters
         for L in query_lens:
             for ctx in contexts:
                 for b in batches:
-                    yield bench_decode(lib, device, b, ctx, L, hq, kv_name, iters, matrix=matrix, flushes=flushes)
+                    yield bench_decode(lib, device, b, ctx, L, hq, kv_name, iters, matrix=matrix, **extra)
     if prefill:
-        yield bench_prefill(lib, device, kv_name, max(3, iters // 10), matrix=matrix, flushes=flushes)
+        yield bench_prefill(lib, device, kv_name, max(3, iters // 10), matrix=matrix, **extra)
+
+
+def _cell(value, width, fmt=".1f"):
+    return f"{value:{width}{fmt}}" if value is not None else f"{'-':>{width}}"
+
+
+def format_anchor_table(rows, copy_GBps):
+    """The headline: the anchor's protocol (cold: one forward in a graph after a 256 MiB write;
+    warm: per forward of a graph of 20), msa-iree beside vLLM's Triton attend, x = Triton / msa-iree,
+    % copy = the selected K/V bytes over the warm time against the run's device copy."""
+    head = (f"{'phase':>7} {'matrix':>6} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'L':>4} "
+            f"{'cold us':>8} {'triton':>8} {'x':>5} {'warm us':>8} {'triton':>8} {'x':>5} {'%copy':>5} "
+            f"{'max err':>8} {'triton err':>10}")
+    lines = [f"device-to-device copy: {copy_GBps:.0f} GB/s", head]
+    for r in rows:
+        warm = r.get("warm_us")
+        pct = 100 * r["kv_MB"] * 1e6 / warm / 1e3 / copy_GBps if warm and r["phase"] == "decode" else None
+        lines.append(f"{r['phase']:>7} {r.get('matrix', 'auto'):>6} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} "
+                     f"{r['batch']:>4} {r['context']:>6} {r['L']:>4} {_cell(r.get('cold_us'), 8)} "
+                     f"{_cell(r.get('triton_cold_us'), 8)} {_cell(r.get('x_triton_cold'), 5, '.2f')} "
+                     f"{_cell(warm, 8)} {_cell(r.get('triton_warm_us'), 8)} {_cell(r.get('x_triton_warm'), 5, '.2f')} "
+                     f"{_cell(pct, 5)} {r['max_abs_err']:8.1e} {_cell(r.get('triton_max_abs_err'), 10, '.1e')}")
+    return "\n".join(lines)
 
 
 def format_table(rows, copy_GBps):
+    if not any("forward_us" in r for r in rows):
+        return format_anchor_table(rows, copy_GBps)
     head = (f"{'phase':>7} {'matrix':>6} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'L':>4} {'kernel us':>9} {'GB/s':>6} {'%copy':>5} {'dirty us':>8} "
             f"{'call us':>8} {'fwd us':>8} {'fwd/k':>5} {'step us':>7} {'graph us':>8} {'torch us':>9} {'x torch':>7} {'max err':>8}")
-    lines = [f"device-to-device copy: {copy_GBps:.0f} GB/s", head]
+    lines = [format_anchor_table(rows, copy_GBps), "", "the harness's other columns:", head]
     for r in rows:
         k = f"{r['kernel_us']:9.1f}" if r.get("kernel_us") else f"{'-':>9}"
         call = f"{r['call_us']:8.1f}" if r.get("call_us") else f"{'-':>8}"
@@ -519,6 +597,10 @@ def main(argv=None):
     p.add_argument("--matrix", default="auto", help="GPU attend variants, comma list: auto (the target's matrix "
                    "cores where possible: mma on cuda, mfma on hip), fma (portable), mma, mfma")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--anchor", metavar="SPARSE_ATTN_PY", help="vLLM's Triton MSA kernels (a copy of "
+                   "vllm/models/minimax_m3/common/ops/sparse_attn.py from the vllm wheel): run beside every row")
+    p.add_argument("--anchor-only", action="store_true",
+                   help="only the anchor's protocol (cold and warm graph replays), none of the other columns")
     add_launch_args(p)
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--plot", help="write a PNG of GB/s vs batch here (needs matplotlib)")
@@ -537,6 +619,7 @@ def main(argv=None):
     lib = KernelLibrary(a.target, a.build_dir, compile_missing=False, **launch_options(a))
     copy = copy_bandwidth_GBps(device) if device.type == "cuda" else float("nan")
     flushes = Flushes(device)  # the flush buffers, made once for the run
+    triton_module = anchor.load_triton_module(a.anchor) if a.anchor else None
     rows = []
 
     def report(row):  # one JSON line per case, and the JSON file rewritten as the run goes
@@ -545,17 +628,18 @@ def main(argv=None):
             with open(a.json, "w") as f:
                 json.dump({"copy_GBps": copy, "device": torch.cuda.get_device_name() if device.type == "cuda"
                            else "cpu", "dependent_launch": lib.dependent_launch,
-                           "l2_evict_first": lib.l2_evict_first,
+                           "l2_evict_first": lib.l2_evict_first, "anchor": a.anchor,
+                           "command": "python -m benchmarks.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                            "rows": rows}, f, indent=1)
 
     ints = lambda s: [int(x) for x in s.split(",") if x]
     for matrix in a.matrix.split(","):
         for kv in a.kv_dtype.split(","):
             for row in dtype_rows(lib, device, kv, ints(a.heads), ints(a.L), ints(a.context), ints(a.batch), a.iters,
-                                  matrix, a.prefill, flushes):
+                                  matrix, a.prefill, flushes, triton_module, a.anchor_only):
                 rows.append(row)
                 report(row)
-    if device.type == "cuda":  # kernel times last: the profiler would slow the wall-clock and graph pass
+    if device.type == "cuda" and not a.anchor_only:  # kernel times last: the profiler would slow the wall-clock and graph pass
         for row in rows:
             if row["phase"] == "prefill" or row.get("call_us") is not None:
                 add_kernel_time(lib, device, row, flushes=flushes)
@@ -567,6 +651,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())
