@@ -159,6 +159,24 @@ def copy_bandwidth_GBps(device, nbytes=1 << 30):
     return 2 * nbytes / us / 1e3
 
 
+def draw_topk(pos: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Top-k of tokens at absolute positions pos [T]: each row its own block, then 15 distinct
+    older blocks drawn at random (-1 where the context has fewer): [1, T, 16] int32."""
+    own = pos // BLOCK_SIZE
+    older = torch.rand(pos.shape[0], int(own.max()) + 1, generator=g, device=pos.device)
+    older = older.masked_fill(torch.arange(older.shape[1], device=pos.device)[None, :] >= own[:, None], 2.0)
+    picks = older.argsort(dim=1)[:, : TOPK - 1]
+    picks = torch.where(torch.gather(older, 1, picks) < 2.0, picks, -1)
+    if picks.shape[1] < TOPK - 1:  # fewer than 16 blocks of context: -1 padding
+        picks = torch.nn.functional.pad(picks, (0, TOPK - 1 - picks.shape[1]), value=-1)
+    return torch.cat([own[:, None], picks], 1).int()[None]
+
+
+def visible_tokens(topk: torch.Tensor, pos: torch.Tensor) -> int:
+    """Tokens the rows of draw_topk see: the older blocks whole, the own block up to the row."""
+    return int(((topk[0, :, 1:] >= 0).sum(1) * BLOCK_SIZE + pos % BLOCK_SIZE + 1).sum())
+
+
 class DecodeCase:
     """A decode batch on `device`: every request has `context` tokens, the last L of them new;
     each row selects its own block and 15 older distinct blocks."""
@@ -196,17 +214,9 @@ class DecodeCase:
         self.last_token_slots = (owner * BLOCK_SIZE + last % BLOCK_SIZE).int()
         tokens = batch * L
         pos = (self.seq_lens.long().repeat_interleave(L) - L + torch.arange(L, device=device).repeat(batch))
-        own = pos // BLOCK_SIZE
-        older = torch.rand(tokens, int(own.max()) + 1, generator=g, device=device)
-        older = older.masked_fill(torch.arange(older.shape[1], device=device)[None, :] >= own[:, None], 2.0)
-        picks = older.argsort(dim=1)[:, : TOPK - 1]
-        picks = torch.where(torch.gather(older, 1, picks) < 2.0, picks, -1)
-        if picks.shape[1] < TOPK - 1:  # fewer than 16 blocks of context: -1 padding
-            picks = torch.nn.functional.pad(picks, (0, TOPK - 1 - picks.shape[1]), value=-1)
-        self.topk = torch.cat([own[:, None], picks], 1).int()[None]           # [1, T, 16]
+        self.topk = draw_topk(pos, g)                                          # [1, T, 16]
         self.q = torch.randn(tokens, num_heads, 128, generator=g, device=device).to(torch.bfloat16)
-        # the older blocks are whole, the own block holds the row's first pos % 128 + 1 tokens
-        self.visible_tokens = int(((picks >= 0).sum(1) * BLOCK_SIZE + pos % BLOCK_SIZE + 1).sum())
+        self.visible_tokens = visible_tokens(self.topk, pos)
         self.kv_bytes = self.visible_tokens * 128 * 2 * self.k_cache.element_size()
 
     def layer_cache(self, i):
@@ -459,17 +469,18 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
 
 def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_lens=(1, 4), prefill=True):
     """The compiled kernels a bench run calls (stride 16: the interleaved cache the cases use)."""
-    from msa_iree.ops import SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec, builder_specs
+    from msa_iree.ops import SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec
 
-    specs = builder_specs()
+    specs = []
     for kv in kv_dtypes:
         for hq in heads:
             cfg = MsaConfig(num_heads=hq, kv_dtype=kv)
             specs += [SparseAttnDecodeFmaSpec(cfg.replace(decode_query_len=L), 16) for L in decode_query_lens]
             if SparseAttnDecodeMmaSpec.supports(cfg):
                 specs += [SparseAttnDecodeMmaSpec(cfg.replace(decode_query_len=L), 16) for L in decode_query_lens]
-        if prefill:
-            specs += [SparseAttnPrefillFmaSpec(MsaConfig(kv_dtype=kv), 16), SparseAttnPrefillMmaSpec(MsaConfig(kv_dtype=kv), 16)]
+        if prefill:  # (every head count: the serving step's mixed batches)
+            specs += [cls(MsaConfig(num_heads=hq, kv_dtype=kv), 16) for hq in heads
+                      for cls in (SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec)]
     return specs
 
 

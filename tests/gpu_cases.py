@@ -35,12 +35,12 @@ GPU_INSERT_CASES = (
 def gpu_test_specs():
     """Every compiled kernel tests/test_gpu.py calls, for `cuda`."""
     from msa_iree.config import MsaConfig
-    from msa_iree.ops import (InsertKvGpuSpec, SparseAttnDecodeFmaSpec, builder_specs,
+    from msa_iree.ops import (InsertKvGpuSpec, RebaseBlockTableSpec, SparseAttnDecodeFmaSpec,
                           SparseAttnDecodeMfmaEmulatedSpec as Mfma, SparseAttnDecodeMmaSpec,
                           SparseAttnPrefillFmaSpec,
                           SparseAttnPrefillMfmaEmulatedSpec as MfmaPrefill, SparseAttnPrefillMmaSpec)
 
-    specs = builder_specs()
+    specs = [RebaseBlockTableSpec(MsaConfig())]  # (test_gpu's rebase on the device)
     for hq, h, kv, qd, L, stride, _ in GPU_DECODE_CASES:
         cfg = MsaConfig(num_heads=hq, num_kv_heads=h, kv_dtype=kv, query_dtype=qd, decode_query_len=L)
         specs += [SparseAttnDecodeFmaSpec(cfg, stride), SparseAttnPrefillFmaSpec(cfg.replace(decode_query_len=1), stride)]

@@ -181,11 +181,31 @@ def test_mismatched_builds_are_refused(tmp_path):
     (tmp_path / m["kernels"][spec.name]["file"]).write_bytes(b"garbage")
     with pytest.raises(BuildMismatchError, match="sha256"):
         KernelLibrary("host", tmp_path).function(spec)
-    missing = K.RebaseBlockTableSpec(MsaConfig())
+    missing = K.SparseAttnDecodeSpec(MsaConfig(), 16)
     with pytest.raises(BuildMismatchError, match=f"expected kernel {missing.name} in the manifest, got none; build it "
                        f"with `msa-iree compile --target host --num-heads 16 --num-kv-heads 1 --kv-dtype bf16 "
                        f"--query-dtype bf16 --out {tmp_path}`"):
         KernelLibrary("host", tmp_path).function(missing)  # no compilation unless asked for
+    alone = K.RebaseBlockTableSpec(MsaConfig())  # in no kernel set: the call that builds it
+    with pytest.raises(BuildMismatchError, match=r"msa_iree\.compile\.build\(None, \['host'\]"):
+        KernelLibrary("host", tmp_path).function(alone)
+
+
+def test_the_builder_runs_no_compiled_module(host_kernels, monkeypatch):
+    """A step's build is torch operations and one host transfer: a compiled module's synchronous
+    call (~0.7 ms on an H200 host) would cost more than the step's checks and copies together."""
+    from msa_iree.runtime import MetadataBuilder
+
+    ran = []
+    monkeypatch.setattr(type(host_kernels), "run", lambda self, spec, *a, **k: ran.append(spec.name))
+    builder = MetadataBuilder(max_num_seqs=2, max_model_len=512, kernels=host_kernels)
+    bt = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    seq = torch.tensor([300, 129], dtype=torch.int32)
+    md = builder.build(bt, seq, torch.tensor([0, 1, 2], dtype=torch.int32), seq - 1, decode_query_len=1,
+                       num_decodes=2, slot_mapping=torch.tensor([299, 128 * 5], dtype=torch.int32))
+    assert ran == []
+    assert md.decode.page16_block_table.tolist() == [[0, 2, 4, 6], [8, 10, 12, 14]]
+    assert md.page16_slot_mapping.tolist() == [299 + 2 * 128, 128 * 10]  # slot + its block's first slot
 
 
 def test_on_demand_compilation_says_so_only_when_it_compiles(tmp_path, monkeypatch):

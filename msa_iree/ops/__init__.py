@@ -57,18 +57,12 @@ def unbuilt_attends(cfg: MsaConfig, target: str) -> dict[str, str]:
             for f in families if f in GPU_ATTEND and not GPU_ATTEND[f][0].supports(cfg)}
 
 
-def builder_specs() -> list[KernelSpec]:
-    """The kernels the metadata builder runs once per step (the page-16 rebases of the block table
-    and of the slot mapping; they depend on no layer's configuration)."""
-    return [RebaseBlockTableSpec(MsaConfig()), RebaseSlotsSpec(MsaConfig())]
-
-
 def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), target=None) -> list[KernelSpec]:
     """Every kernel a deployment of `cfg` needs: per cache layout (block page stride) and per
     decode query length L (1 = plain decode, > 1 = speculative decode). For a GPU `target` also the
     hand-written attends (where the head grouping allows them) and the in-place KV insert."""
     gpu_attends = served_attends(cfg, target)
-    specs = builder_specs()
+    specs = []
     for stride in strides:
         for L in decode_query_lens:
             specs += [BuildDecodeTableSpec(cfg.replace(decode_query_len=L), stride),
@@ -83,4 +77,4 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
 
 
 __all__ = ["ALL_KERNELS", "GPU_ATTEND", "GPU_SPECS", "NATIVE_MATRIX", "PORTABLE_SPECS", "GpuAttendSpec", "KernelSpec",
-           "TemplateSpec", "builder_specs", "kernel_set", "served_attends", "unbuilt_attends", *[c.__name__ for c in ALL_KERNELS.values()]]
+           "TemplateSpec", "kernel_set", "served_attends", "unbuilt_attends", *[c.__name__ for c in ALL_KERNELS.values()]]

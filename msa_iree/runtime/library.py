@@ -76,8 +76,15 @@ def _current_raw_stream(device_index: int) -> int:
 
 
 def build_command(spec: KernelSpec, target: str, out=None) -> str:
-    """The `msa-iree compile` command whose kernel set holds `spec`."""
+    """The `msa-iree compile` command whose kernel set holds `spec` (for a kernel outside every
+    set, the call that builds it alone)."""
+    from ..ops import kernel_set
+
     c = spec.cfg
+    if spec.name not in {s.name for s in kernel_set(c, decode_query_lens=(1, 2, 3, 4, c.decode_query_len),
+                                                    target=target)}:
+        return (f"msa_iree.compile.build(None, [{target!r}], {str(out or 'build')!r}, specs=[spec]) for this spec "
+                "(no `msa-iree compile` kernel set holds it)")
     cmd = [f"msa-iree compile --target {target} --num-heads {c.num_heads} --num-kv-heads {c.num_kv_heads} "
            f"--kv-dtype {c.kv_dtype} --query-dtype {c.query_dtype}"]
     if c.decode_query_len not in (1, 2, 3, 4):

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from .. import checks
-from ..config import MsaConfig
 from ..layout import BLOCK_SIZE
-from ..ops import InsertKvGpuSpec, RebaseBlockTableSpec, RebaseSlotsSpec
+from ..ops import InsertKvGpuSpec
 from ..reference import query_token_positions
 from .library import KernelLibrary
 
@@ -111,8 +111,8 @@ class MetadataBuilder:
     (their addresses change: a graph captured before must be captured again). num_cache_blocks:
     the KV cache's blocks, so that an out-of-range block id or slot is refused here rather than
     by each layer (each layer checks its own cache's size against the step's largest id, without
-    a sync, either way). kernels: the library whose compiled rebase kernels the builder uses (and
-    whose KV writer decides the insert's slot form).
+    a sync, either way). kernels: the library whose KV writer decides the insert's slot form (the
+    builder itself runs torch operations only: one host transfer and a few copies a step).
     """
 
     def __init__(self, max_num_seqs: int, max_model_len: int, *, max_num_tokens: int | None = None,
@@ -139,12 +139,17 @@ class MetadataBuilder:
 
     # ---- the step's checks (host values, once per step) ----
 
-    def _host_values(self, query_start_loc, seq_lens, num_computed_tokens):
-        """The step's per-request values on the host, in one transfer."""
-        b = seq_lens.shape[0]
-        host = torch.cat([query_start_loc.reshape(-1), seq_lens.reshape(-1), num_computed_tokens.reshape(-1)])
-        host = host.to("cpu", torch.int64).tolist()
-        return host[:b + 1], host[b + 1:2 * b + 1], host[2 * b + 1:]
+    def _host_values(self, query_start_loc, seq_lens, num_computed_tokens, block_table, slot_mapping):
+        """The step's values on the host, in one transfer: query_start_loc, seq_lens and
+        num_computed_tokens as lists; the block table [reqs, cols] and the slots as int32 arrays."""
+        parts = [query_start_loc, seq_lens, num_computed_tokens, block_table]
+        if slot_mapping is not None:
+            parts.append(slot_mapping)
+        host = torch.cat([t.reshape(-1).to(torch.int32) for t in parts]).cpu().numpy()
+        b, n = seq_lens.shape[0], block_table.numel()
+        lists = host[:3 * b + 1].tolist()
+        return (lists[:b + 1], lists[b + 1:2 * b + 1], lists[2 * b + 1:],
+                host[3 * b + 1:3 * b + 1 + n].reshape(block_table.shape), host[3 * b + 1 + n:])
 
     def _split(self, qsl, seq, computed, decode_query_len, num_decodes, num_actual_tokens):
         """(num_decode_tokens, num_tokens) after checking the decode-first split: every decode
@@ -186,33 +191,27 @@ class MetadataBuilder:
                                  f"for request {r}, got {seq[r]}")
         return num_decode_tokens, num_tokens
 
-    def _check_ids(self, block_table, seq, slot_mapping, num_tokens):
-        """(max_block_id, max_slot) of the step, after checking that every block a request's
-        context spans has a column and a block id >= 0 (and < num_cache_blocks), and every slot
-        written is in range: what a layer's attend and insert would otherwise clamp."""
+    def _check_ids(self, block_table, seq, slots, num_tokens):
+        """(max_block_id, max_slot) of the step (host values: block_table [reqs, cols] and slots
+        int32 arrays), after checking that every block a request's context spans has a column and
+        a block id >= 0 (and < num_cache_blocks), and every slot written is in range: what a
+        layer's attend and insert would otherwise clamp."""
         cols = block_table.shape[1]
-        need = [_cdiv(s, BLOCK_SIZE) for s in seq]
-        short = [(r, n) for r, n in enumerate(need) if n > cols]
-        if short:
-            r, n = short[0]
-            raise IndexError(f"block_table: expected at least cdiv(seq_len, 128) = {n} columns for request {r} "
+        need = np.array([_cdiv(s, BLOCK_SIZE) for s in seq], dtype=np.int64)
+        short = np.flatnonzero(need > cols)
+        if short.size:
+            r = int(short[0])
+            raise IndexError(f"block_table: expected at least cdiv(seq_len, 128) = {need[r]} columns for request {r} "
                              f"(seq_len {seq[r]}), got {cols} columns")
-        used = (torch.arange(cols, device=block_table.device)[None, :]
-                < torch.tensor(need, device=block_table.device)[:, None])
-        big = torch.iinfo(torch.int32).max
-        slots = slot_mapping[:num_tokens]
-        stats = []  # reduced on the device, brought back in one transfer
-        if block_table.numel():
-            stats += [torch.where(used, block_table, big).amin().long(), torch.where(used, block_table, -1).amax().long()]
-        if slots.numel():
-            stats.append(slots.amax().clamp(min=-1).long())
-        stats = torch.stack(stats).tolist() if stats else []
-        lowest, max_block = (stats[0], stats[1]) if block_table.numel() else (big, -1)
-        max_slot = stats[-1] if slots.numel() else -1
-        if lowest < 0:
-            r, c = (used & (block_table < 0)).nonzero()[0].tolist()
+        used = np.arange(cols)[None, :] < need[:, None]
+        ids = block_table[used]
+        max_block = int(ids.max()) if ids.size else -1
+        if ids.size and int(ids.min()) < 0:
+            r, c = (int(i) for i in np.argwhere(used & (block_table < 0))[0])
             raise IndexError(f"block_table: expected a cache block id >= 0 for every block of a request's context, "
                              f"got {int(block_table[r, c])} at request {r}, column {c} (seq_len {seq[r]})")
+        written = slots[:num_tokens]
+        max_slot = max(int(written.max()), -1) if written.size else -1
         if self.num_cache_blocks is not None:
             if max_block >= self.num_cache_blocks:
                 raise IndexError(f"block_table: expected ids in [0, {self.num_cache_blocks}) (num_cache_blocks), "
@@ -248,30 +247,40 @@ class MetadataBuilder:
         if num_reqs > self.max_num_seqs or block_table.shape[1] > self.max_cols:
             raise ValueError(f"block table {(num_reqs, block_table.shape[1])} exceeds the page-16 rebase buffer "
                              f"{tuple(self.page16_block_table_buffer.shape)}")
-        qsl, seq, computed = self._host_values(query_start_loc, seq_lens, num_computed_tokens)
+        if slot_mapping is not None:
+            checks.check_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
+            checks.check_shape("slot_mapping", slot_mapping, (None,))
+        named = {"seq_lens": seq_lens, "query_start_loc": query_start_loc, "num_computed_tokens": num_computed_tokens,
+                 "slot_mapping": slot_mapping}
+        for name, t in named.items():
+            if t is not None and t.device != block_table.device:
+                raise ValueError(f"{name}: expected the block table's device {block_table.device}, got {t.device}")
+        qsl, seq, computed, host_bt, host_slots = self._host_values(query_start_loc, seq_lens, num_computed_tokens,
+                                                                    block_table, slot_mapping)
         num_decode_tokens, num_tokens = self._split(qsl, seq, computed, decode_query_len, num_decodes,
                                                     num_actual_tokens)
-        if slot_mapping is None:
-            slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int32, device=self.device)
-        checks.check_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
-        checks.check_shape("slot_mapping", slot_mapping, (None,))
-        if slot_mapping.shape[0] < num_tokens:
+        if slot_mapping is not None and slot_mapping.shape[0] < num_tokens:
             raise ValueError(f"slot_mapping: expected at least num_tokens={num_tokens} entries, "
                              f"got {slot_mapping.shape[0]}")
-        max_block, max_slot = self._check_ids(block_table, seq, slot_mapping, num_tokens)
+        max_block, max_slot = self._check_ids(host_bt, seq, host_slots, num_tokens)
 
-        # the step's tensors, into the stable buffers
+        # the step's tensors, into the stable buffers; the page-16 rebases in place (torch: a few
+        # element-wise launches a step, where a compiled module's synchronous call costs ~0.7 ms)
         cols = block_table.shape[1]
         bt = self._block_table.view(num_reqs, cols)
         bt.copy_(block_table)
         page16 = self.page16_block_table_buffer[:num_reqs, :cols]
-        page16.copy_(self._rebase(RebaseBlockTableSpec, bt, 2))
+        torch.mul(bt, 2, out=page16)  # reference.rebase_block_table_to_page16
         seqs = self._seq_lens.view(num_reqs)
         seqs.copy_(seq_lens)
         slots = self._slots.view(num_tokens)
-        slots.copy_(slot_mapping[:num_tokens])
+        if slot_mapping is None:
+            slots.fill_(-1)
+        else:
+            slots.copy_(slot_mapping[:num_tokens])
         page16_slots = self._page16_slots.view(num_tokens)
-        page16_slots.copy_(self._rebase(RebaseSlotsSpec, slots, None))
+        # reference.rebase_slots_to_page16: slot + its block's first slot (block * 128), < 0 kept
+        torch.add(slots, slots.clamp(min=0).bitwise_and_(-BLOCK_SIZE), out=page16_slots)
 
         decode = prefill = None
         if num_decodes:
@@ -300,13 +309,3 @@ class MetadataBuilder:
         return MsaMetadata(num_tokens, num_decodes, num_decode_tokens, num_reqs - num_decodes,
                            num_tokens - num_decode_tokens, decode, prefill, slots, page16_slots, token_index,
                            insert_slots, max_block, max_slot, step_key)
-
-    def _rebase(self, spec_cls, t, factor):
-        """The page-16 rebase of a block table (factor 2) or a slot mapping through the library's
-        compiled kernel; in torch when the builder has no library or nothing to rebase."""
-        if self.kernels is None or t.numel() == 0:
-            if factor:
-                return t * factor
-            return torch.div(t.clamp(min=0), BLOCK_SIZE, rounding_mode="floor") * BLOCK_SIZE + t
-        (out,) = self.kernels.run(spec_cls(MsaConfig()), t, out_dtypes=[torch.int32])
-        return out

@@ -1,0 +1,217 @@
+"""A serving step as an engine runs it, on one CUDA device: fresh metadata every step
+(`MetadataBuilder.build` on the step's own new tensors), then for each of 57 layers, each its own
+`SparseAttention` over its own KV cache, `insert_kv` of the step's new tokens and `forward`; one
+sync a step.
+
+Cases: decode B x context x query heads per KV head x KV dtype (every request `context` tokens,
+one new), and a mixed step (one 2K-token prefill chunk, the last 2048 tokens of a 4K request,
+after 63 decodes at 4K). Per layer (a step's time / 57, medians over steps):
+- build_us: one step's `MetadataBuilder.build` (+ sync), not divided by the layers;
+- host_us: the host time of a layer's insert_kv + forward (the 57 layers issued, before the sync);
+- eager_us: a step run eagerly: build + 57 layers + sync;
+- graph_us (decode steps): the step's 57 layers captured in a CUDA graph once, each replay after
+  the next step's build wrote its metadata into the builder's buffers: replay + sync (vLLM runs
+  uniform decode from full CUDA graphs and mixed batches eagerly);
+- kernels_us: the device time of one eager step's kernels (builder, inserts, attends; CUPTI
+  durations summed, taken last: CUPTI slows later graph replays).
+
+Each layer's cache is its own slice of one pool while 57 slices fit in --pool-gib; past that the
+slices are cycled (consecutive layers never share a block, so each finds its K/V in DRAM).
+
+    python -m benchmarks.serving_step --build-dir .devbuild/cuda --json serving.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from msa_iree.config import DTYPES
+from msa_iree.layout import num_cache_blocks
+from msa_iree.runtime import KernelLibrary, MetadataBuilder, SparseAttention
+
+from .bench import DecodeCase, add_launch_args, draw_topk, kernel_us, launch_options
+
+LAYERS = 57  # MiniMax-M3's sparse layers
+STEPS = 20   # timed steps per measurement
+STEP_TENSORS = 4  # distinct sets of step input tensors, cycled: every build sees new tensors
+
+
+class ServingCase:
+    """The step inputs of one case: the caches (DecodeCase's pool), the per-step tensors, the
+    57 layers, and the new tokens' query, key and value."""
+
+    def __init__(self, lib, device, batch, context, num_heads, kv_name, prefill_chunk=0, pool_gib=16.0,
+                 layers=LAYERS):
+        kv_dtype = DTYPES[kv_name]
+        block_bytes = 2 * 128 * 128 * kv_dtype.itemsize
+        mapped = batch * -(-context // 128)
+        pool_bytes = int(min(layers * mapped * block_bytes, pool_gib * (1 << 30)))
+        self.case = c = DecodeCase(batch, context, 1, num_heads, kv_dtype, device, 1, seed=batch + context % 97,
+                                   pool_bytes=pool_bytes)
+        self.batch, self.context, self.chunk = batch, context, prefill_chunk
+        g = torch.Generator(device=device).manual_seed(7)
+        decodes = batch - 1 if prefill_chunk else batch
+        qlens = torch.tensor([1] * decodes + ([prefill_chunk] if prefill_chunk else []), device=device)
+        self.num_decodes = decodes
+        self.qsl = torch.cat([torch.zeros(1, dtype=torch.long, device=device), qlens.cumsum(0)]).int()
+        self.computed = (c.seq_lens - qlens).int()
+        pos = torch.cat([torch.arange(int(n), device=device) + int(s) for n, s in zip(qlens, self.computed)])
+        req = torch.repeat_interleave(torch.arange(batch, device=device), qlens)
+        self.topk = draw_topk(pos, g) if prefill_chunk else c.topk
+        owner = c.block_table.long()[req, pos // 128]
+        self.slots = (owner * 128 + pos % 128).int()
+        tokens = pos.shape[0]
+        self.q = torch.randn(tokens, num_heads, 128, generator=g, device=device).to(torch.bfloat16)
+        self.key = torch.randn(tokens, 1, 128, generator=g, device=device).to(torch.bfloat16)
+        self.value = torch.randn(tokens, 1, 128, generator=g, device=device).to(torch.bfloat16)
+        self.layers = []
+        for i in range(layers):
+            k, v = c.layer_cache(i)
+            attn = SparseAttention(num_heads, 1, 128, 128 ** -0.5, kv_dtype, kernels=lib)
+            self.layers.append((attn, k, v, torch.empty_like(self.q)))
+        self.builder = MetadataBuilder(max_num_seqs=batch, max_model_len=context, kernels=lib, device=device,
+                                       num_cache_blocks=num_cache_blocks(*c.layer_cache(0)))
+        # new tensors for every step, as an engine hands the builder (same values: the step repeats)
+        self.step_tensors = [tuple(t.clone() for t in (c.block_table, c.seq_lens, self.qsl, self.computed, self.slots))
+                             for _ in range(STEP_TENSORS)]
+        self.steps = 0
+
+    def build(self):
+        bt, seq, qsl, computed, slots = self.step_tensors[self.steps % STEP_TENSORS]
+        self.steps += 1
+        return self.builder.build(bt, seq, qsl, computed, 1, self.num_decodes, slot_mapping=slots)
+
+    def layers_call(self, md):
+        c = self.case
+        for attn, k, v, out in self.layers:
+            attn.insert_kv(self.key, self.value, k, v, md, c.k_scale, c.v_scale)
+            attn.forward(self.q, k, v, out, self.topk, md, c.k_scale, c.v_scale)
+
+
+def _median(xs):
+    return statistics.median(xs) * 1e6
+
+
+def measure(case: ServingCase, graph: bool) -> dict:
+    """The per-layer numbers of one case (module docstring)."""
+    case.layers_call(case.build())  # each layer's first, fully checked call; its later calls bound
+    torch.cuda.synchronize()
+    build, host, eager = [], [], []
+    for _ in range(STEPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        md = case.build()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        case.layers_call(md)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        build.append(t1 - t0)
+        host.append((t2 - t1) / LAYERS)
+        eager.append((t3 - t0) / LAYERS)
+    row = {"build_us": _median(build), "host_us": _median(host), "eager_us": _median(eager)}
+    if graph:
+        md = case.build()
+        case.layers_call(md)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            case.layers_call(md)
+        replays = []
+        for _ in range(STEPS):
+            case.build()  # the next step's metadata, into the buffers the graph reads
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            g.replay()
+            torch.cuda.synchronize()
+            replays.append((time.perf_counter() - t0) / LAYERS)
+        row["graph_us"] = _median(replays)
+        row["eager_over_graph"] = row["eager_us"] / row["graph_us"]
+    return row
+
+
+def add_kernel_sum(case: ServingCase, row: dict) -> None:
+    row["kernels_us"] = kernel_us(lambda: case.layers_call(case.build()), torch.device("cuda"), iters=5) / LAYERS
+    if "graph_us" in row:
+        row["graph_over_kernels"] = row["graph_us"] / row["kernels_us"]
+
+
+def format_table(rows) -> str:
+    head = (f"{'step':>8} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'build us':>8} {'host us':>7} {'eager us':>8} "
+            f"{'graph us':>8} {'kernels us':>10} {'eager/graph':>11} {'graph/kern':>10}")
+    cell = lambda r, k, w, f=".1f": f"{r[k]:{w}{f}}" if r.get(k) is not None else f"{'-':>{w}}"
+    lines = ["per layer (57 layers a step; build us: a step's metadata build)", head]
+    for r in rows:
+        lines.append(f"{r['step']:>8} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} {r['batch']:>4} {r['context']:>6} "
+                     f"{cell(r, 'build_us', 8)} {cell(r, 'host_us', 7)} {cell(r, 'eager_us', 8)} "
+                     f"{cell(r, 'graph_us', 8)} {cell(r, 'kernels_us', 10)} {cell(r, 'eager_over_graph', 11, '.2f')} "
+                     f"{cell(r, 'graph_over_kernels', 10, '.2f')}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving_step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--build-dir", help="a cuda build (tools/build_gpu_tests.py builds what a run calls)")
+    p.add_argument("--batch", default="8,64,128")
+    p.add_argument("--context", default="4096,131072")
+    p.add_argument("--heads", default="16,8", help="query heads per KV head: 16 = TP4, 8 = TP8")
+    p.add_argument("--kv-dtype", default="fp8_e4m3fn,bf16")
+    p.add_argument("--no-mixed", action="store_true", help="leave out the mixed step (2K prefill chunk + 63 decodes)")
+    p.add_argument("--pool-gib", type=float, default=16.0, help="the layers' caches at most this much")
+    add_launch_args(p)
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--from-json", help="no run: print the table of an earlier run's JSON")
+    a = p.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            print(format_table(json.load(f)["rows"]))
+        return 0
+    if not a.build_dir:
+        p.error("--build-dir is required for a run")
+    if not torch.cuda.is_available():
+        p.error("the serving step is measured on a CUDA device; none is visible")
+    device = torch.device("cuda")
+    lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, **launch_options(a))
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    cases = [(kv, hq, b, ctx, 0) for kv in a.kv_dtype.split(",") for hq in ints(a.heads)
+             for ctx in ints(a.context) for b in ints(a.batch)]
+    if not a.no_mixed:
+        cases += [(kv, hq, 64, 4096, 2048) for kv in a.kv_dtype.split(",") for hq in ints(a.heads)]
+    rows = []
+
+    def save():  # the JSON rewritten as the run goes
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "command": "python -m benchmarks.serving_step "
+                           + " ".join(argv if argv is not None else sys.argv[1:]), "rows": rows}, f, indent=1)
+
+    for kv, hq, b, ctx, chunk in cases:
+        case = ServingCase(lib, device, b, ctx, hq, kv, chunk, a.pool_gib)
+        row = {"step": "mixed" if chunk else "decode", "kv_dtype": kv, "q_heads": hq, "batch": b, "context": ctx,
+               "prefill_chunk": chunk, **measure(case, graph=not chunk)}
+        rows.append(row)
+        save()
+        print(json.dumps(row), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    for row in rows:  # kernel sums last (CUPTI)
+        case = ServingCase(lib, device, row["batch"], row["context"], row["q_heads"], row["kv_dtype"],
+                           row["prefill_chunk"], a.pool_gib)
+        case.layers_call(case.build())
+        add_kernel_sum(case, row)
+        del case
+        torch.cuda.empty_cache()
+        save()
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The serving-step benchmark's cases on the CPU (the timing itself needs a CUDA device): a
+step's metadata, inserts and attends over the layers' own caches give the reference's output,
+for a decode step and a mixed step (a prefill chunk after the decodes)."""
+import pytest
+import torch
+
+from benchmarks import bench
+from benchmarks.serving_step import ServingCase
+from msa_iree import reference
+from msa_iree.layout import unpack_kv_cache
+from tolerances import assert_attend_close
+
+
+@pytest.mark.parametrize("chunk", [0, 200])
+def test_a_step_of_the_layers_attends_as_the_reference(host_kernels, monkeypatch, chunk):
+    monkeypatch.setattr(bench, "POOL_BYTES", 1 << 20)
+    case = ServingCase(host_kernels, torch.device("cpu"), batch=3, context=300, num_heads=16, kv_name="bf16",
+                       prefill_chunk=chunk, pool_gib=1 / 64, layers=2)
+    tokens = 2 + chunk if chunk else 3
+    assert case.q.shape[0] == tokens and case.topk.shape == (1, tokens, 16) and case.slots.shape == (tokens,)
+    md = case.build()
+    case.layers_call(md)
+    c = case.case
+    for attn, k, v, out in case.layers:
+        # the step's new K/V are in this layer's cache at the step's slots ...
+        k_logical, _ = unpack_kv_cache(k, v)
+        slots = case.slots.long()
+        assert torch.equal(k_logical.reshape(-1, 128)[slots], case.key[:, 0])
+        # ... and the layer's output is the reference attend over that cache
+        req = torch.repeat_interleave(torch.arange(3), (case.qsl[1:] - case.qsl[:-1]).long())
+        pos = torch.cat([torch.arange(int(n)) + int(s) for n, s in zip(case.qsl[1:] - case.qsl[:-1], case.computed)])
+        bt, ctx = reference.build_sparse_block_table_prefill(case.topk, c.block_table, req.int(), pos.int(), 16)
+        ref = torch.empty_like(case.q)
+        reference.sparse_paged_attend(case.q, k, v, bt, ctx, 1, attn.scale, ref)
+        assert_attend_close(out, ref, f"chunk {chunk}")
+    assert case.layers[0][1].data_ptr() != case.layers[1][1].data_ptr()  # each layer its own cache
