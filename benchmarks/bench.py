@@ -3,6 +3,10 @@
 Per decode case (batch x context x L x heads per KV head x KV dtype; every row sees 16 blocks,
 its own block always among them):
 - the output of the compiled attend is checked against the torch reference first;
+- cold_us / warm_us, the headline: the anchor's protocol (anchor.py: one forward in a CUDA graph
+  replayed after a 256 MiB write; a graph of 20 back-to-back forwards), for msa-iree and, with
+  --anchor, vLLM's Triton attend on the same bytes (triton_*, x_triton_* = Triton / msa-iree);
+  --anchor-only stops there;
 - kernel_us: the device time of the module's kernels in one forward call (CUDA activity records
   through torch.profiler, durations summed: the gaps between kernels are not in it), the L2
   flushed before each call by reading 512 MiB (cold and clean: every K/V byte comes from DRAM,
