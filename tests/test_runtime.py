@@ -208,6 +208,38 @@ def test_the_builder_runs_no_compiled_module(host_kernels, monkeypatch):
     assert md.page16_slot_mapping.tolist() == [299 + 2 * 128, 128 * 10]  # slot + its block's first slot
 
 
+def test_a_step_of_the_same_shape_lands_at_the_same_addresses():
+    """What a captured graph and a bound launch read: the next step's values (new tensors, same
+    shapes) in the same memory; a mixed step (decodes, then a prefill). (The host's portable KV
+    writer takes a compacted token list of its own each step: not compared.)"""
+    from msa_iree.runtime import MetadataBuilder
+
+    builder = MetadataBuilder(max_num_seqs=3, max_model_len=1024)
+
+    def step(base, prefix):
+        bt = torch.arange(base, base + 24, dtype=torch.int32).reshape(3, 8)
+        seq = torch.tensor([300, 129, prefix + 5], dtype=torch.int32)
+        qsl = torch.tensor([0, 1, 2, 7], dtype=torch.int32)
+        slots = torch.tensor([base * 128 + 299, base * 128 + 128, -1, 5, 6, 7, 8], dtype=torch.int64)
+        return builder.build(bt, seq, qsl, seq - (qsl[1:] - qsl[:-1]), 1, 2, slot_mapping=slots)
+
+    def tensors(md):
+        p = md.prefill
+        return [md.decode.block_table, md.decode.seq_lens, md.slot_mapping, md.page16_slot_mapping, p.block_table,
+                p.cu_seqlens_q, p.context_lens, p.query_req_id, p.query_abs_pos]
+
+    one = step(0, 100)
+    addresses = [t.data_ptr() for t in tensors(one)]
+    two = step(30, 200)
+    assert [t.data_ptr() for t in tensors(two)] == addresses
+    assert two.decode.block_table[0].tolist() == list(range(30, 38))
+    assert two.slot_mapping.tolist() == [30 * 128 + 299, 30 * 128 + 128, -1, 5, 6, 7, 8]
+    assert two.page16_slot_mapping.tolist()[:3] == [30 * 128 + 299 + 32 * 128, 30 * 128 + 128 + 31 * 128, -1]
+    assert two.prefill.query_abs_pos.tolist() == [200, 201, 202, 203, 204]
+    assert two.prefill.context_lens.tolist() == [200] and two.prefill.cu_seqlens_q.tolist() == [0, 5]
+    assert two.prefill.query_req_id.tolist() == [0] * 5
+
+
 def test_on_demand_compilation_says_so_only_when_it_compiles(tmp_path, monkeypatch):
     from msa_iree import ops as K
     from msa_iree.config import MsaConfig

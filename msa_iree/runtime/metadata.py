@@ -127,28 +127,31 @@ class MetadataBuilder:
         tokens = max_num_tokens or max_num_seqs * 8
         # vLLM's page-16 buffer: [max_num_seqs, cdiv(max_model_len, 128)], a step's table its [:reqs, :cols]
         self.page16_block_table_buffer = torch.zeros(max_num_seqs, self.max_cols, dtype=torch.int32, device=device)
-        self._block_table = _Buffer(max_num_seqs * self.max_cols, self.device)
-        self._seq_lens = _Buffer(max_num_seqs, self.device)
-        self._context_lens = _Buffer(max_num_seqs, self.device)
-        self._cu_seqlens_q = _Buffer(max_num_seqs + 1, self.device)
-        self._query_req_id = _Buffer(tokens, self.device)
-        self._query_abs_pos = _Buffer(tokens, self.device)
-        self._slots = _Buffer(tokens, self.device)
-        self._page16_slots = _Buffer(tokens, self.device)
+        # the step's inputs as given, [qsl | seq_lens | computed | block table | slots], one copy in
+        self._inputs = _Buffer(max_num_seqs * (self.max_cols + 3) + 1 + tokens, self.device)
+        # what the builder derives on the host, [page16 slots | slots | cu_seqlens_q | context_lens |
+        # query_req_id | query_abs_pos], one copy in
+        self._derived = _Buffer(4 * tokens + 2 * max_num_seqs + 1, self.device)
         self._token_index = _Buffer(tokens, self.device, arange=True)
 
     # ---- the step's checks (host values, once per step) ----
 
-    def _host_values(self, query_start_loc, seq_lens, num_computed_tokens, block_table, slot_mapping):
-        """The step's values on the host, in one transfer: query_start_loc, seq_lens and
-        num_computed_tokens as lists; the block table [reqs, cols] and the slots as int32 arrays."""
-        parts = [query_start_loc, seq_lens, num_computed_tokens, block_table]
+    def _stage_inputs(self, query_start_loc, seq_lens, num_computed_tokens, block_table, slot_mapping):
+        """The step's inputs copied into one device buffer and brought to the host in one
+        transfer: (the buffer, qsl, seq_lens and computed as lists, the block table [reqs, cols]
+        and the slots as int32 arrays)."""
+        parts = [t.reshape(-1) for t in (query_start_loc, seq_lens, num_computed_tokens, block_table)]
         if slot_mapping is not None:
             parts.append(slot_mapping)
-        host = torch.cat([t.reshape(-1).to(torch.int32) for t in parts]).cpu().numpy()
+        stage = self._inputs.view(sum(t.shape[0] for t in parts))
+        if block_table.device == stage.device:
+            torch.cat(parts, out=stage)
+        else:
+            stage.copy_(torch.cat(parts))
+        host = stage.cpu().numpy()
         b, n = seq_lens.shape[0], block_table.numel()
         lists = host[:3 * b + 1].tolist()
-        return (lists[:b + 1], lists[b + 1:2 * b + 1], lists[2 * b + 1:],
+        return (stage, lists[:b + 1], lists[b + 1:2 * b + 1], lists[2 * b + 1:],
                 host[3 * b + 1:3 * b + 1 + n].reshape(block_table.shape), host[3 * b + 1 + n:])
 
     def _split(self, qsl, seq, computed, decode_query_len, num_decodes, num_actual_tokens):
@@ -255,8 +258,8 @@ class MetadataBuilder:
         for name, t in named.items():
             if t is not None and t.device != block_table.device:
                 raise ValueError(f"{name}: expected the block table's device {block_table.device}, got {t.device}")
-        qsl, seq, computed, host_bt, host_slots = self._host_values(query_start_loc, seq_lens, num_computed_tokens,
-                                                                    block_table, slot_mapping)
+        stage, qsl, seq, computed, host_bt, host_slots = self._stage_inputs(
+            query_start_loc, seq_lens, num_computed_tokens, block_table, slot_mapping)
         num_decode_tokens, num_tokens = self._split(qsl, seq, computed, decode_query_len, num_decodes,
                                                     num_actual_tokens)
         if slot_mapping is not None and slot_mapping.shape[0] < num_tokens:
@@ -264,37 +267,37 @@ class MetadataBuilder:
                              f"got {slot_mapping.shape[0]}")
         max_block, max_slot = self._check_ids(host_bt, seq, host_slots, num_tokens)
 
-        # the step's tensors, into the stable buffers; the page-16 rebases in place (torch: a few
-        # element-wise launches a step, where a compiled module's synchronous call costs ~0.7 ms)
+        # the step's tensors: views of the two buffers (stable addresses for a step of the same
+        # shape), the block-table rebase in place on the device, the rest derived on the host and
+        # copied in at once
         cols = block_table.shape[1]
-        bt = self._block_table.view(num_reqs, cols)
-        bt.copy_(block_table)
+        b, n_bt = num_reqs, num_reqs * cols
+        seqs = stage[b + 1:2 * b + 1]
+        bt = stage[3 * b + 1:3 * b + 1 + n_bt].view(num_reqs, cols)
         page16 = self.page16_block_table_buffer[:num_reqs, :cols]
         torch.mul(bt, 2, out=page16)  # reference.rebase_block_table_to_page16
-        seqs = self._seq_lens.view(num_reqs)
-        seqs.copy_(seq_lens)
-        slots = self._slots.view(num_tokens)
-        if slot_mapping is None:
-            slots.fill_(-1)
-        else:
-            slots.copy_(slot_mapping[:num_tokens])
-        page16_slots = self._page16_slots.view(num_tokens)
+        host_slots = host_slots[:num_tokens] if slot_mapping is not None else np.full(num_tokens, -1, np.int32)
         # reference.rebase_slots_to_page16: slot + its block's first slot (block * 128), < 0 kept
-        torch.add(slots, slots.clamp(min=0).bitwise_and_(-BLOCK_SIZE), out=page16_slots)
+        host_page16_slots = host_slots + (np.maximum(host_slots, 0) & -BLOCK_SIZE)
+        num_prefills, n = num_reqs - num_decodes, num_tokens - num_decode_tokens
+        derived = [host_page16_slots, host_slots]
+        if num_prefills:
+            qlens = np.diff(np.asarray(qsl[num_decodes:], dtype=np.int64))
+            cu = np.concatenate([[0], np.cumsum(qlens)])
+            ctx = np.asarray(computed[num_decodes:], dtype=np.int64)
+            req = np.repeat(np.arange(num_prefills), qlens)  # reference.query_token_positions
+            derived += [cu, ctx, req, ctx[req] + np.arange(n) - cu[req]]
+        sizes = [len(x) for x in derived]
+        dev = self._derived.view(sum(sizes))
+        dev.copy_(torch.from_numpy(np.concatenate(derived).astype(np.int32)))
+        views = torch.split(dev, sizes)
+        page16_slots, slots = views[0], views[1]
 
         decode = prefill = None
         if num_decodes:
             decode = DecodeMetadata(bt[:num_decodes], seqs[:num_decodes], decode_query_len, page16[:num_decodes])
-        if num_decodes < num_reqs:
-            cu = self._cu_seqlens_q.view(num_reqs - num_decodes + 1)
-            cu.copy_(query_start_loc[num_decodes:] - query_start_loc[num_decodes])
-            ctx = self._context_lens.view(num_reqs - num_decodes)
-            ctx.copy_(num_computed_tokens[num_decodes:])
-            n = num_tokens - num_decode_tokens
-            req, pos = query_token_positions(cu, ctx, n)
-            query_req_id, query_abs_pos = self._query_req_id.view(n), self._query_abs_pos.view(n)
-            query_req_id.copy_(req)
-            query_abs_pos.copy_(pos)
+        if num_prefills:
+            cu, ctx, query_req_id, query_abs_pos = views[2:]
             prefill = PrefillMetadata(bt[num_decodes:], cu, seqs[num_decodes:], ctx, query_req_id, query_abs_pos,
                                       page16[num_decodes:])
         if self.kernels is not None and self.kernels.target in InsertKvGpuSpec.targets:
