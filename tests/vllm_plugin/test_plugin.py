@@ -159,7 +159,7 @@ def steps():
 @pytest.mark.parametrize("name, cm", list(steps()), ids=[n for n, _ in steps()])
 def test_the_builder_gives_what_vllms_aiter_builder_gives(plugin, monkeypatch, name, cm):
     """Both builders on one CommonAttentionMetadata: vLLM's AITER builder (its torch rebases,
-    made to believe AITER is there) and msa-iree's (its compiled rebases and step plan)."""
+    made to believe AITER is there) and msa-iree's (its rebases and step plan)."""
     monkeypatch.setattr(common, "_minimax_m3_aiter_sparse_pa_requested", lambda: True)
     theirs = aiter.MiniMaxM3SparseAiterPAMetadataBuilder(SPEC, ["layer.0"], vllm_config(), torch.device("cpu"))
     ours = plugin.MsaIreeMetadataBuilder(SPEC, ["layer.0"], vllm_config(), torch.device("cpu"))
