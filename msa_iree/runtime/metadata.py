@@ -17,7 +17,6 @@ import torch
 from .. import checks
 from ..layout import BLOCK_SIZE
 from ..ops import InsertKvGpuSpec
-from ..reference import query_token_positions
 from .library import KernelLibrary
 
 
