@@ -298,7 +298,7 @@ def bench_decode(lib, device, batch, context, L, num_heads, kv_name, iters, rota
            "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()), "ref_max_abs": float(ref.abs().max()),
            "kv_MB": c.kv_bytes / 1e6}
     if device.type == "cuda":
-        stream = attn.gpu_decode and lib.stream_kernel(decode_module_operands(attn, c)[0]) is not None
+        stream = attn.gpu_decode and lib.stream_kernel(attn._spec(attn.decode_spec, 16, L)) is not None
         triton = triton_module and anchor.TritonDecode(
             triton_module, c.q, anchor.vllm_kv_cache(*c.layer_cache(0)), c.topk, c.block_table, c.seq_lens, L,
             attn.scale, c.k_scale, c.v_scale)
@@ -506,7 +506,8 @@ def dtype_rows(lib, device, kv_name, heads, query_lens, contexts, batches, iters
         yield bench_prefill(lib, device, kv_name, max(3, iters // 10), matrix=matrix, **extra)
 
 
-def _cell(value, width, fmt=".1f"):
+def table_cell(value, width, fmt=".1f"):
+    """`value` formatted to `width`, or "-" where it was not measured (None)."""
     return f"{value:{width}{fmt}}" if value is not None else f"{'-':>{width}}"
 
 
@@ -522,10 +523,10 @@ def format_anchor_table(rows, copy_GBps):
         warm = r.get("warm_us")
         pct = 100 * r["kv_MB"] * 1e6 / warm / 1e3 / copy_GBps if warm and r["phase"] == "decode" else None
         lines.append(f"{r['phase']:>7} {r.get('matrix', 'auto'):>6} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} "
-                     f"{r['batch']:>4} {r['context']:>6} {r['L']:>4} {_cell(r.get('cold_us'), 8)} "
-                     f"{_cell(r.get('triton_cold_us'), 8)} {_cell(r.get('x_triton_cold'), 5, '.2f')} "
-                     f"{_cell(warm, 8)} {_cell(r.get('triton_warm_us'), 8)} {_cell(r.get('x_triton_warm'), 5, '.2f')} "
-                     f"{_cell(pct, 5)} {r['max_abs_err']:8.1e} {_cell(r.get('triton_max_abs_err'), 10, '.1e')}")
+                     f"{r['batch']:>4} {r['context']:>6} {r['L']:>4} {table_cell(r.get('cold_us'), 8)} "
+                     f"{table_cell(r.get('triton_cold_us'), 8)} {table_cell(r.get('x_triton_cold'), 5, '.2f')} "
+                     f"{table_cell(warm, 8)} {table_cell(r.get('triton_warm_us'), 8)} {table_cell(r.get('x_triton_warm'), 5, '.2f')} "
+                     f"{table_cell(pct, 5)} {r['max_abs_err']:8.1e} {table_cell(r.get('triton_max_abs_err'), 10, '.1e')}")
     return "\n".join(lines)
 
 

@@ -34,7 +34,7 @@ from msa_iree.config import DTYPES
 from msa_iree.layout import num_cache_blocks
 from msa_iree.runtime import KernelLibrary, MetadataBuilder, SparseAttention
 
-from .bench import DecodeCase, add_launch_args, draw_topk, kernel_us, launch_options
+from .bench import DecodeCase, add_launch_args, capture_step, draw_topk, kernel_us, launch_options, table_cell
 
 LAYERS = 57  # MiniMax-M3's sparse layers
 STEPS = 20   # timed steps per measurement
@@ -120,9 +120,7 @@ def measure(case: ServingCase, graph: bool) -> dict:
         md = case.build()
         case.layers_call(md)
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            case.layers_call(md)
+        g = capture_step([lambda: case.layers_call(md)], layers=1)
         replays = []
         for _ in range(STEPS):
             case.build()  # the next step's metadata, into the buffers the graph reads
@@ -142,16 +140,19 @@ def add_kernel_sum(case: ServingCase, row: dict) -> None:
         row["graph_over_kernels"] = row["graph_us"] / row["kernels_us"]
 
 
+# the table's measured columns: (row key, width, format)
+COLUMNS = [("build_us", 8, ".1f"), ("host_us", 7, ".1f"), ("eager_us", 8, ".1f"), ("graph_us", 8, ".1f"),
+           ("kernels_us", 10, ".1f"), ("eager_over_graph", 11, ".2f"), ("graph_over_kernels", 10, ".2f")]
+
+
 def format_table(rows) -> str:
     head = (f"{'step':>8} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'build us':>8} {'host us':>7} {'eager us':>8} "
             f"{'graph us':>8} {'kernels us':>10} {'eager/graph':>11} {'graph/kern':>10}")
-    cell = lambda r, k, w, f=".1f": f"{r[k]:{w}{f}}" if r.get(k) is not None else f"{'-':>{w}}"
     lines = ["per layer (57 layers a step; build us: a step's metadata build)", head]
     for r in rows:
+        cells = [table_cell(r.get(k), w, f) for k, w, f in COLUMNS]
         lines.append(f"{r['step']:>8} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} {r['batch']:>4} {r['context']:>6} "
-                     f"{cell(r, 'build_us', 8)} {cell(r, 'host_us', 7)} {cell(r, 'eager_us', 8)} "
-                     f"{cell(r, 'graph_us', 8)} {cell(r, 'kernels_us', 10)} {cell(r, 'eager_over_graph', 11, '.2f')} "
-                     f"{cell(r, 'graph_over_kernels', 10, '.2f')}")
+                     + " ".join(cells))
     return "\n".join(lines)
 
 
