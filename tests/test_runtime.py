@@ -27,13 +27,11 @@ SEEDS = {("torch.bfloat16", "interleaved"): 101, ("torch.float16", "planes"): 10
 ])
 def test_serving_simulation(host_kernels, kv, qd, layout, hkv, smode):
     s = Server(host_kernels, kv, qd, layout, hkv, smode, seed=SEEDS[str(kv), layout])
-    addr = s.builder.page16_block_table_buffer.data_ptr()
     s.step([], [("a", 200), ("b", 130)], 1)                       # two chunked prefills
     s.step(["b"], [("a", 100), ("c", 129)], 1)                    # decode, prefills with a prefix
     s.step(["a", "b", "c", None, None], [], 1)                   # a decode batch padded with 2 requests
     s.step(["a", "b", "c", None], [], 4)                          # speculative decode L = 4
     md = s.step(["a", "c"], [("d", 255), ("b", 3)], 4)            # spec decode + prefills
-    assert s.builder.page16_block_table_buffer.data_ptr() == addr
     assert torch.equal(md.decode.page16_block_table, md.decode.block_table * 2)
 
 
@@ -192,8 +190,9 @@ def test_mismatched_builds_are_refused(tmp_path):
 
 
 def test_the_builder_runs_no_compiled_module(host_kernels, monkeypatch):
-    """A step's build is torch operations and one host transfer: a compiled module's synchronous
-    call (~0.7 ms on an H200 host) would cost more than the step's checks and copies together."""
+    """A step's build is copies and host work (the page-16 rebase included): a compiled module's
+    synchronous call (~0.7 ms on an H200 host) would cost more than the step's checks and copies
+    together."""
     from msa_iree.runtime import MetadataBuilder
 
     ran = []
@@ -225,14 +224,16 @@ def test_a_step_of_the_same_shape_lands_at_the_same_addresses():
 
     def tensors(md):
         p = md.prefill
-        return [md.decode.block_table, md.decode.seq_lens, md.slot_mapping, md.page16_slot_mapping, p.block_table,
-                p.cu_seqlens_q, p.context_lens, p.query_req_id, p.query_abs_pos]
+        return [md.decode.block_table, md.decode.seq_lens, md.decode.page16_block_table, md.slot_mapping,
+                md.page16_slot_mapping, p.block_table, p.page16_block_table, p.cu_seqlens_q, p.context_lens,
+                p.query_req_id, p.query_abs_pos]
 
     one = step(0, 100)
     addresses = [t.data_ptr() for t in tensors(one)]
     two = step(30, 200)
     assert [t.data_ptr() for t in tensors(two)] == addresses
     assert two.decode.block_table[0].tolist() == list(range(30, 38))
+    assert two.prefill.page16_block_table.tolist() == [list(range(92, 108, 2))]  # block ids 46..53, doubled
     assert two.slot_mapping.tolist() == [30 * 128 + 299, 30 * 128 + 128, -1, 5, 6, 7, 8]
     assert two.page16_slot_mapping.tolist()[:3] == [30 * 128 + 299 + 32 * 128, 30 * 128 + 128 + 31 * 128, -1]
     assert two.prefill.query_abs_pos.tolist() == [200, 201, 202, 203, 204]
@@ -271,3 +272,25 @@ def test_an_fp8_hardware_kernel_on_an_older_gpu_is_refused_by_name(monkeypatch):
     KernelLibrary._check_arch(lib, bf16)  # built for sm_80: loads anywhere
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     KernelLibrary._check_arch(lib, fp8)
+
+
+def test_a_step_past_the_builders_sizes_and_many_step_shapes_keep_their_values():
+    """A step with more tokens than max_num_tokens reallocates the buffers; more step shapes than
+    the builder keeps views for evict the oldest: each step's tensors still hold its own values."""
+    from msa_iree.runtime import MetadataBuilder
+
+    builder = MetadataBuilder(max_num_seqs=2, max_model_len=1024, max_num_tokens=2)
+    bt = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]], dtype=torch.int32)
+    for chunk in range(1, 21):  # a decode, then a prefill chunk of 1..20 tokens: 20 step shapes
+        seq = torch.tensor([700, 500 + chunk], dtype=torch.int32)
+        qsl = torch.tensor([0, 1, 1 + chunk], dtype=torch.int32)
+        slots = torch.arange(1 + chunk, dtype=torch.int32) + 128 * 3
+        md = builder.build(bt, seq, qsl, seq - (qsl[1:] - qsl[:-1]), 1, 1, slot_mapping=slots)
+        assert md.num_actual_tokens == 1 + chunk
+        assert md.prefill.query_abs_pos.tolist() == list(range(500, 500 + chunk))
+        assert md.prefill.page16_block_table.tolist() == [list(range(22, 38, 2))]
+        assert md.slot_mapping.tolist() == slots.tolist()
+        assert md.page16_slot_mapping.tolist() == (slots + 128 * 3).tolist()
+    again = builder.build(bt, torch.tensor([700, 501], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
+                          torch.tensor([699, 500], dtype=torch.int32), 1, 1)
+    assert again.prefill.query_abs_pos.tolist() == [500] and again.slot_mapping.tolist() == [-1, -1]

@@ -36,8 +36,8 @@ class KernelSpec:
     def __post_init__(self):  # subclasses validate their specialisation here
         pass
 
-    @property
-    def name(self) -> str:
+    @functools.cached_property
+    def name(self) -> str:  # cached: the runtime looks kernels up by it on every call
         return f"{self.kernel}.{self.variant}"
 
     @property

@@ -72,6 +72,7 @@ class SparseAttention:
         self._decode_launch = None  # _DecodeLaunch: the last decode-only step's bound attend (stream launch)
         self._insert_launch = None  # _InsertLaunch: this layer's bound KV insert (stream launch)
         self._specs = {}  # (kernel class, decode L, stride) -> spec: built once, not per call
+        self._workspace_floats = {}  # (id of a spec of _specs, tokens) -> its workspace_floats
         self.validate_emitted_tables = validate_emitted_tables
         # the GPU attend's scratch: the caller's f32 tensor (workspace_size bytes), else the library's
         self.workspace = workspace
@@ -164,7 +165,9 @@ class SparseAttention:
     def _workspace_for(self, spec, num_tokens, device):
         """The GPU attend's workspace: the caller's (checked for size), else the library's, which
         every layer on it shares (their kernels run one after another on one stream)."""
-        need = spec.workspace_floats(num_tokens)
+        need = self._workspace_floats.get((id(spec), num_tokens))
+        if need is None:
+            need = self._workspace_floats[id(spec), num_tokens] = spec.workspace_floats(num_tokens)
         if self.workspace is None:
             return self.kernels.workspace(need, device)
         if self.workspace.numel() < need:
@@ -313,8 +316,8 @@ class _DecodeLaunch(_LayerBinding):
         if args[4].data_ptr() != d.block_table.data_ptr() or args[5].data_ptr() != d.seq_lens.data_ptr():
             return None  # the step's tensors were copied for the launch: a later step would not be seen
         self = cls()
-        self.step_key, self.num_blocks = metadata.step_key, layer.num_blocks
-        self._hold(layer_tensors, layer.refresh)
+        self.num_blocks = layer.num_blocks
+        self._hold(metadata.step_key, layer_tensors, layer.refresh)
         self.q_shape, self.q_dtype, self.topk_shape = query.shape, query.dtype, topk.shape
         self.device_index = query.get_device()
         out_rows = _rows(output, 0, args[0].shape[0])
@@ -323,18 +326,21 @@ class _DecodeLaunch(_LayerBinding):
 
     def __call__(self, metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale) -> bool:
         """Queue the attend if this call is one the binding serves (True); else False, nothing done."""
-        if (metadata.step_key != self.step_key or metadata.max_block_id >= self.num_blocks
-                or not self._same_layer(k_cache, v_cache, k_scale, v_scale)):
+        if not self._serves(metadata, k_cache, v_cache, k_scale, v_scale) or metadata.max_block_id >= self.num_blocks:
             return False
         q_shape, q_dtype, index = self.q_shape, self.q_dtype, self.device_index
-        if (query.shape != q_shape or output.shape != q_shape or topk.shape != self.topk_shape
-                or query.dtype != q_dtype or output.dtype != q_dtype or topk.dtype != torch.int32
-                or query.get_device() != index or output.get_device() != index or topk.get_device() != index
-                or not (query.is_contiguous() and output.is_contiguous() and topk.is_contiguous())):
+        if not (query.shape == q_shape and output.shape == q_shape and topk.shape == self.topk_shape
+                and query.dtype == q_dtype and output.dtype == q_dtype and topk.dtype == _INT32
+                and query.get_device() == index and output.get_device() == index and topk.get_device() == index
+                and query.is_contiguous() and output.is_contiguous() and topk.is_contiguous()):
             return False
-        self._refresh()
+        if self.refresh:
+            self._refresh()
         self.launch(_current_raw_stream(index), query.data_ptr(), topk.data_ptr(), output.data_ptr())
         return True
+
+
+_INT32 = torch.int32
 
 
 def _rows(t, lo, hi, dim=0):

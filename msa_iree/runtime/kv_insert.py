@@ -85,9 +85,9 @@ def _run_insert(kernels, spec, operands):
 
 class _InsertLaunch(_LayerBinding):
     """A layer's KV insert bound to its stream launch: made after a fully checked insert of a
-    step's metadata, it serves later calls with the same caches and scales and metadata whose token
-    index and slots are the same buffers (the builder keeps them at one address from step to step,
-    so a new step's metadata of the same size is served too), checking only the step's largest
+    step's metadata, it serves later calls with the same caches and scales and metadata of the
+    same step key (the builder keeps a step shape's token index and slots at one address from
+    step to step, so a new step of the same shape is served too), checking only the step's largest
     slot against the cache (an int) and key and value (shape, dtype, device, contiguous) before it
     queues the writer; any other call takes the checked path."""
 
@@ -101,28 +101,25 @@ class _InsertLaunch(_LayerBinding):
             return None
         self = cls()
         self.capacity = capacity
-        self.step_buffers = tuple((t.data_ptr(), t.shape) for t in (token_index, slots))
         self.key_shape, self.key_dtype, self.device_index = key.shape, key.dtype, key.get_device()
         # a strided scale (one scale over 2+ KV heads) through a contiguous copy refreshed per call
         tensors, refresh = _contiguous_copies(operands)
-        self._hold(layer_tensors, refresh)
+        self._hold(metadata.step_key, layer_tensors, refresh)
         self.launch = sk.bind(list(tensors), variable=(1, 2))
         return self
 
     def __call__(self, metadata, key, value, k_cache, v_cache, k_scale, v_scale) -> bool:
         """Queue the insert if this call is one the binding serves (True); else False, nothing done."""
-        if (not self._same_layer(k_cache, v_cache, k_scale, v_scale) or not isinstance(metadata, MsaMetadata)
+        if (type(metadata) is not MsaMetadata or not self._serves(metadata, k_cache, v_cache, k_scale, v_scale)
                 or metadata.max_slot >= self.capacity):
             return False
-        ti, sl = metadata.insert_token_index, metadata.insert_slots
-        if ((ti.data_ptr(), ti.shape), (sl.data_ptr(), sl.shape)) != self.step_buffers:
+        shape, dtype, index = self.key_shape, self.key_dtype, self.device_index
+        if not (key.shape == shape and value.shape == shape and key.dtype == dtype and value.dtype == dtype
+                and key.get_device() == index and value.get_device() == index
+                and key.is_contiguous() and value.is_contiguous()):
             return False
-        shape, index = self.key_shape, self.device_index
-        if (key.shape != shape or value.shape != shape or key.dtype != self.key_dtype or value.dtype != self.key_dtype
-                or key.get_device() != index or value.get_device() != index
-                or not (key.is_contiguous() and value.is_contiguous())):
-            return False
-        self._refresh()
+        if self.refresh:
+            self._refresh()
         self.launch(_current_raw_stream(index), key.data_ptr(), value.data_ptr())
         return True
 

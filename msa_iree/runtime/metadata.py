@@ -17,7 +17,7 @@ import torch
 from .. import checks
 from ..layout import BLOCK_SIZE
 from ..ops import InsertKvGpuSpec
-from .library import KernelLibrary
+from .library import KernelLibrary, _current_raw_stream
 
 
 @dataclasses.dataclass
@@ -77,28 +77,44 @@ class MsaMetadata:
                              "(out of range)")
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
 def _cdiv(a, b):
     return -(-a // b)
 
 
-class _Buffer:
-    """An int32 buffer kept at one address, grown (reallocated) only for a larger step; `arange`
-    holds 0, 1, 2, ... (the token index of a step that writes every token)."""
+def _first(mask) -> int | None:
+    """The index of the first True of a numpy mask, None if none."""
+    return int(mask.argmax()) if mask.any() else None
 
-    def __init__(self, size, device, arange=False):
-        self.device, self.arange = device, arange
-        self.t = self._new(max(size, 1))
 
-    def _new(self, n):
-        return (torch.arange if self.arange else torch.empty)(n, dtype=torch.int32, device=self.device)
+class _StepLayout:
+    """Where the tensors of one step shape live in the builder's buffers: the views that every
+    step of the shape reuses (making them costs more host time than the rest of a decode step's
+    build). shape: (reqs, cols, slot entries given (0: none), tokens, decodes, L).
 
-    def view(self, *shape):
-        n = 1
-        for s in shape:
-            n *= s
-        if n > self.t.shape[0]:
-            self.t = self._new(n)
-        return self.t[:n].view(*shape)
+    The input buffer holds the step's inputs as given, [qsl | seq_lens | computed | block table |
+    slots]; the derived buffer what the builder works out on the host, [page-16 block table |
+    page-16 slots | slots | cu_seqlens_q | context_lens | query_req_id | query_abs_pos | the
+    portable insert's rows].
+    """
+
+    def __init__(self, builder, shape):
+        b, cols, n_slots, n, nd, L = shape
+        num_prefills, n_prefill = b - nd, n - nd * L
+        sizes = [b * cols, n, n] + ([num_prefills + 1, num_prefills, n_prefill, n_prefill] if num_prefills else [])
+        self.n_derived = sum(sizes)
+        self.derived, self.host_derived = builder._derived[:self.n_derived], builder._host_derived[:self.n_derived]
+        views = torch.split(self.derived, sizes)
+        page16, self.page16_slots, self.slots, self.prefill_views = views[0].view(b, cols), views[1], views[2], views[3:]
+        seq_lens = builder._inputs[b + 1:2 * b + 1]
+        block_table = builder._inputs[3 * b + 1:3 * b + 1 + b * cols].view(b, cols)
+        self.decode = (block_table[:nd], seq_lens[:nd], page16[:nd]) if nd else None
+        self.prefill = (block_table[nd:], seq_lens[nd:], page16[nd:]) if num_prefills else None
+        self.token_index = builder._token_index[:n]
+        step = (block_table, seq_lens, page16, self.slots, self.token_index, *self.prefill_views)
+        self.key = (shape, *((t.data_ptr(), tuple(t.shape)) for t in step))
 
 
 class MetadataBuilder:
@@ -110,9 +126,14 @@ class MetadataBuilder:
     (their addresses change: a graph captured before must be captured again). num_cache_blocks:
     the KV cache's blocks, so that an out-of-range block id or slot is refused here rather than
     by each layer (each layer checks its own cache's size against the step's largest id, without
-    a sync, either way). kernels: the library whose KV writer decides the insert's slot form (the
-    builder itself runs torch operations only: one host transfer and a few copies a step).
+    a sync, either way). kernels: the library whose KV writer decides the insert's slot form.
+
+    The builder runs no kernel of its own: on a GPU a step is one device copy of the inputs into
+    one buffer, one transfer of it to the host, the checks and everything derived (the page-16
+    rebase included) on the host, and one asynchronous copy back.
     """
+
+    _LAYOUTS = 16  # step shapes whose views are kept (a decode server repeats a few)
 
     def __init__(self, max_num_seqs: int, max_model_len: int, *, max_num_tokens: int | None = None,
                  num_cache_blocks: int | None = None, kernels: KernelLibrary | None = None, device="cpu"):
@@ -123,97 +144,120 @@ class MetadataBuilder:
         self.kernels = kernels
         self.device = torch.device(device)
         self.max_cols = _cdiv(max_model_len, BLOCK_SIZE)
+        self.gpu_writer = kernels is not None and kernels.target in InsertKvGpuSpec.targets
+        self._layouts = {}
+        self._copy_stream = None  # on a GPU: the stream of the last copy of the derived values to the device
         tokens = max_num_tokens or max_num_seqs * 8
-        # vLLM's page-16 buffer: [max_num_seqs, cdiv(max_model_len, 128)], a step's table its [:reqs, :cols]
-        self.page16_block_table_buffer = torch.zeros(max_num_seqs, self.max_cols, dtype=torch.int32, device=device)
-        # the step's inputs as given, [qsl | seq_lens | computed | block table | slots], one copy in
-        self._inputs = _Buffer(max_num_seqs * (self.max_cols + 3) + 1 + tokens, self.device)
-        # what the builder derives on the host, [page16 slots | slots | cu_seqlens_q | context_lens |
-        # query_req_id | query_abs_pos], one copy in
-        self._derived = _Buffer(4 * tokens + 2 * max_num_seqs + 1, self.device)
-        self._token_index = _Buffer(tokens, self.device, arange=True)
+        self._allocate_inputs(max_num_seqs * (self.max_cols + 3) + 1 + tokens)
+        self._allocate_derived(tokens)
+
+    # ---- the buffers: on a GPU each with a pinned host twin, on the host the buffer itself ----
+
+    def _buffer(self, n):
+        """(a device buffer of n int32, its host twin)."""
+        t = torch.empty(n, dtype=torch.int32, device=self.device)
+        return t, t if self.device.type == "cpu" else torch.empty(n, dtype=torch.int32, pin_memory=True)
+
+    def _allocate_inputs(self, n):
+        self._inputs, self._host_inputs = self._buffer(n)
+        self._stages = {}  # input count -> (device view, host view, its numpy array)
+        self._layouts.clear()
+
+    def _stage(self, n):
+        """The first n values of the input buffer: (device view, host view, host numpy array)."""
+        views = self._stages.get(n)
+        if views is None:
+            if n > self._inputs.shape[0]:
+                self._allocate_inputs(n)
+            host = self._host_inputs[:n]
+            views = self._stages[n] = (self._inputs[:n], host, host.numpy())
+        return views
+
+    def _allocate_derived(self, tokens):
+        self.max_tokens = tokens
+        # vLLM's page-16 table (at most [max_num_seqs, cdiv(max_model_len, 128)]), then the per-token values
+        self._derived, self._host_derived = self._buffer(self.max_num_seqs * (self.max_cols + 2) + 1 + 6 * tokens)
+        self._token_index = torch.arange(tokens, dtype=torch.int32, device=self.device)
+        self._layouts.clear()
+
+    def _raw_stream(self) -> int:
+        index = self.device.index
+        return _current_raw_stream(torch.cuda.current_device() if index is None else index)
+
+    def _layout(self, shape) -> _StepLayout:
+        layout = self._layouts.get(shape)
+        if layout is None:
+            if shape[3] > self.max_tokens:
+                self._allocate_derived(shape[3])
+            if len(self._layouts) >= self._LAYOUTS:
+                self._layouts.pop(next(iter(self._layouts)))
+            layout = self._layouts[shape] = _StepLayout(self, shape)
+        return layout
 
     # ---- the step's checks (host values, once per step) ----
 
-    def _stage_inputs(self, query_start_loc, seq_lens, num_computed_tokens, block_table, slot_mapping):
-        """The step's inputs copied into one device buffer and brought to the host in one
-        transfer: (the buffer, qsl, seq_lens and computed as lists, the block table [reqs, cols]
-        and the slots as int32 arrays)."""
-        parts = [t.reshape(-1) for t in (query_start_loc, seq_lens, num_computed_tokens, block_table)]
-        if slot_mapping is not None:
-            parts.append(slot_mapping)
-        stage = self._inputs.view(sum(t.shape[0] for t in parts))
-        if block_table.device == stage.device:
-            torch.cat(parts, out=stage)
-        else:
-            stage.copy_(torch.cat(parts))
-        host = stage.cpu().numpy()
-        b, n = seq_lens.shape[0], block_table.numel()
-        lists = host[:3 * b + 1].tolist()
-        return (stage, lists[:b + 1], lists[b + 1:2 * b + 1], lists[2 * b + 1:],
-                host[3 * b + 1:3 * b + 1 + n].reshape(block_table.shape), host[3 * b + 1 + n:])
-
     def _split(self, qsl, seq, computed, decode_query_len, num_decodes, num_actual_tokens):
-        """(num_decode_tokens, num_tokens) after checking the decode-first split: every decode
-        request has L tokens, except trailing padding requests of length 0 and seq_len 0 (vLLM's
-        padded uniform decode batch, whose L tokens count in num_actual_tokens)."""
-        num_reqs, L = len(seq), decode_query_len
-        qlens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
-        if qsl[0] != 0 or any(q < 0 for q in qlens):
-            raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0, got {qsl}")
-        real = next((i for i in range(num_decodes) if qlens[i] == 0), num_decodes)  # the first padding request
-        bad = [(i, q) for i, q in enumerate(qlens[:real]) if q != L]
-        if bad:
+        """(query lengths, num_decode_tokens, num_tokens) after checking the decode-first split:
+        every decode request has L tokens, except trailing padding requests of length 0 and
+        seq_len 0 (vLLM's padded uniform decode batch, whose L tokens count in num_actual_tokens).
+        A step with no padding passes in a few whole-array tests; anything else is looked at
+        request by request (and named when it fails)."""
+        L, qlens = decode_query_len, qsl[1:] - qsl[:-1]
+        num_decode_tokens, total = num_decodes * L, int(qsl[-1])
+        if (qsl[0] == 0 and num_actual_tokens in (None, total) and (qlens[:num_decodes] == L).all()
+                and not ((qlens < 0) | (seq > self.max_model_len) | (seq != computed + qlens)).any()):
+            return qlens, num_decode_tokens, total
+        num_reqs = seq.shape[0]
+        if qsl[0] != 0 or (qlens < 0).any():
+            raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0, got {qsl.tolist()}")
+        pad = _first(qlens[:num_decodes] == 0)
+        real = num_decodes if pad is None else pad  # the first padding request
+        if (i := _first(qlens[:real] != L)) is not None:
             raise ValueError(f"decode query lengths: expected decode_query_len={L} for each of the first "
-                             f"num_decodes={num_decodes} requests, got {bad[0][1]} for request {bad[0][0]}")
-        for i in range(real, num_decodes):
-            if qlens[i] != 0 or seq[i] != 0:
-                raise ValueError(f"decode padding: expected the padding requests of a decode batch (query length 0) "
-                                 f"at its end with seq_len 0, got query length {qlens[i]} and seq_len {seq[i]} for "
-                                 f"request {i} after padding request {real}")
-        num_decode_tokens = num_decodes * L
-        num_tokens = qsl[-1] if num_actual_tokens is None else num_actual_tokens
+                             f"num_decodes={num_decodes} requests, got {qlens[i]} for request {i}")
+        if (i := _first((qlens[real:num_decodes] != 0) | (seq[real:num_decodes] != 0))) is not None:
+            i += real
+            raise ValueError(f"decode padding: expected the padding requests of a decode batch (query length 0) "
+                             f"at its end with seq_len 0, got query length {qlens[i]} and seq_len {seq[i]} for "
+                             f"request {i} after padding request {real}")
+        num_tokens = total if num_actual_tokens is None else num_actual_tokens
         if real < num_decodes:  # a padded batch: decodes only, num_actual_tokens counting the padding
             if num_decodes != num_reqs or num_tokens != num_decode_tokens:
                 raise ValueError(f"num_actual_tokens: expected num_decodes * decode_query_len = {num_decode_tokens} "
                                  f"for a decode batch padded with {num_decodes - real} requests of length 0 (and no "
                                  f"prefills), got {num_tokens} tokens and {num_reqs - num_decodes} prefill requests")
-        elif qsl[num_decodes] != num_decode_tokens:
-            raise ValueError(f"num_decode_tokens: expected num_decodes * decode_query_len = {num_decode_tokens}, "
-                             f"got {qsl[num_decodes]} decode tokens in query_start_loc")
-        elif num_tokens != qsl[-1]:
-            raise ValueError(f"num_actual_tokens: expected query_start_loc[-1] = {qsl[-1]} (padding tokens only "
+        elif num_tokens != total:
+            raise ValueError(f"num_actual_tokens: expected query_start_loc[-1] = {total} (padding tokens only "
                              f"in a padded decode batch), got {num_tokens}")
-        for r in range(num_reqs):
-            if seq[r] > self.max_model_len:
-                raise ValueError(f"seq_lens: expected at most max_model_len={self.max_model_len} tokens a request, "
-                                 f"got {seq[r]} for request {r}")
-            if seq[r] != computed[r] + qlens[r]:
-                raise ValueError(f"seq_lens: expected num_computed_tokens + query length = {computed[r] + qlens[r]} "
-                                 f"for request {r}, got {seq[r]}")
-        return num_decode_tokens, num_tokens
+        if (r := _first(seq > self.max_model_len)) is not None:
+            raise ValueError(f"seq_lens: expected at most max_model_len={self.max_model_len} tokens a request, "
+                             f"got {seq[r]} for request {r}")
+        if (r := _first(seq != computed + qlens)) is not None:
+            raise ValueError(f"seq_lens: expected num_computed_tokens + query length = {computed[r] + qlens[r]} "
+                             f"for request {r}, got {seq[r]}")
+        return qlens, num_decode_tokens, num_tokens
 
-    def _check_ids(self, block_table, seq, slots, num_tokens):
-        """(max_block_id, max_slot) of the step (host values: block_table [reqs, cols] and slots
-        int32 arrays), after checking that every block a request's context spans has a column and
-        a block id >= 0 (and < num_cache_blocks), and every slot written is in range: what a
+    def _check_ids(self, block_table, seq, slots):
+        """(max_block_id, max_slot) of the step (host values: block_table [reqs, cols] int32, the
+        written slots), after checking that every block a request's context spans has a column
+        and a block id >= 0 (and < num_cache_blocks), and every slot written is in range: what a
         layer's attend and insert would otherwise clamp."""
-        cols = block_table.shape[1]
-        need = np.array([_cdiv(s, BLOCK_SIZE) for s in seq], dtype=np.int64)
-        short = np.flatnonzero(need > cols)
-        if short.size:
-            r = int(short[0])
+        reqs, cols = block_table.shape
+        need = (seq + (BLOCK_SIZE - 1)) >> 7  # cdiv(seq_len, 128)
+        if reqs and need.max() > cols:
+            r = _first(need > cols)
             raise IndexError(f"block_table: expected at least cdiv(seq_len, 128) = {need[r]} columns for request {r} "
                              f"(seq_len {seq[r]}), got {cols} columns")
-        used = np.arange(cols)[None, :] < need[:, None]
+        used = np.arange(cols) < need[:, None]
         ids = block_table[used]
         max_block = int(ids.max()) if ids.size else -1
-        if ids.size and int(ids.min()) < 0:
+        if ids.size and ids.min() < 0:
             r, c = (int(i) for i in np.argwhere(used & (block_table < 0))[0])
             raise IndexError(f"block_table: expected a cache block id >= 0 for every block of a request's context, "
                              f"got {int(block_table[r, c])} at request {r}, column {c} (seq_len {seq[r]})")
-        written = slots[:num_tokens]
-        max_slot = max(int(written.max()), -1) if written.size else -1
+        if max_block >= 1 << 30:
+            raise IndexError(f"block_table: expected ids below 2**30 (their page-16 ids are int32), got {max_block}")
+        max_slot = max(int(slots.max()), -1) if slots.size else -1
         if self.num_cache_blocks is not None:
             if max_block >= self.num_cache_blocks:
                 raise IndexError(f"block_table: expected ids in [0, {self.num_cache_blocks}) (num_cache_blocks), "
@@ -222,6 +266,43 @@ class MetadataBuilder:
                 raise IndexError(f"slot_mapping: expected ids in [0, {self.num_cache_blocks * BLOCK_SIZE}) "
                                  f"(num_cache_blocks * 128), got {max_slot} (out of range)")
         return max_block, max_slot
+
+    def _check_args(self, block_table, seq_lens, query_start_loc, num_computed_tokens, decode_query_len, num_decodes,
+                    slot_mapping):
+        """The arguments' dtypes, shapes and devices: a step in order passes one expression; one
+        that is not is looked at argument by argument (and named)."""
+        num_reqs, device, ints = seq_lens.shape[0], block_table.device, _INDEX_DTYPES
+        if (block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == num_reqs
+                and seq_lens.dim() == 1 and query_start_loc.shape == (num_reqs + 1,)
+                and num_computed_tokens.shape == (num_reqs,) and seq_lens.dtype in ints
+                and query_start_loc.dtype in ints and num_computed_tokens.dtype in ints
+                and seq_lens.device == device and query_start_loc.device == device
+                and num_computed_tokens.device == device and decode_query_len > 0 and 0 <= num_decodes <= num_reqs
+                and num_reqs <= self.max_num_seqs and block_table.shape[1] <= self.max_cols
+                and (slot_mapping is None or (slot_mapping.dim() == 1 and slot_mapping.dtype in ints
+                                              and slot_mapping.device == device))):
+            return
+        checks.check_dtype("block_table", block_table, torch.int32)
+        checks.check_shape("block_table", block_table, (num_reqs, None))
+        for name, t, shape in (("seq_lens", seq_lens, (num_reqs,)), ("query_start_loc", query_start_loc, (num_reqs + 1,)),
+                               ("num_computed_tokens", num_computed_tokens, (num_reqs,))):
+            checks.check_dtype(name, t, (torch.int32, torch.int64))
+            checks.check_shape(name, t, shape)
+        if decode_query_len <= 0:
+            raise ValueError(f"decode_query_len: expected > 0, got {decode_query_len}")
+        if not 0 <= num_decodes <= num_reqs:
+            raise ValueError(f"num_decodes: expected 0..num_reqs={num_reqs}, got {num_decodes}")
+        if num_reqs > self.max_num_seqs or block_table.shape[1] > self.max_cols:
+            raise ValueError(f"block table {(num_reqs, block_table.shape[1])} exceeds the page-16 rebase buffer "
+                             f"{(self.max_num_seqs, self.max_cols)}")
+        if slot_mapping is not None:
+            checks.check_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
+            checks.check_shape("slot_mapping", slot_mapping, (None,))
+        device = block_table.device
+        for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc),
+                        ("num_computed_tokens", num_computed_tokens), ("slot_mapping", slot_mapping)):
+            if t is not None and t.device != device:
+                raise ValueError(f"{name}: expected the block table's device {device}, got {t.device}")
 
     # ---- the step ----
 
@@ -235,79 +316,88 @@ class MetadataBuilder:
         each L tokens (a padded batch ends in requests of length 0 and seq_len 0, counted in
         num_actual_tokens); slot_mapping [>= tokens] int32 logical slots (< 0: not written).
         """
-        num_reqs = seq_lens.shape[0]
-        checks.check_dtype("block_table", block_table, torch.int32)
-        checks.check_shape("block_table", block_table, (num_reqs, None))
-        for name, t, shape in (("seq_lens", seq_lens, (num_reqs,)), ("query_start_loc", query_start_loc, (num_reqs + 1,)),
-                               ("num_computed_tokens", num_computed_tokens, (num_reqs,))):
-            checks.check_dtype(name, t, (torch.int32, torch.int64))
-            checks.check_shape(name, t, shape)
-        if decode_query_len <= 0:
-            raise ValueError(f"decode_query_len: expected > 0, got {decode_query_len}")
-        if not 0 <= num_decodes <= num_reqs:
-            raise ValueError(f"num_decodes: expected 0..num_reqs={num_reqs}, got {num_decodes}")
-        if num_reqs > self.max_num_seqs or block_table.shape[1] > self.max_cols:
-            raise ValueError(f"block table {(num_reqs, block_table.shape[1])} exceeds the page-16 rebase buffer "
-                             f"{tuple(self.page16_block_table_buffer.shape)}")
+        self._check_args(block_table, seq_lens, query_start_loc, num_computed_tokens, decode_query_len, num_decodes,
+                         slot_mapping)
+        b, cols = block_table.shape
+        n_slots = 0 if slot_mapping is None else slot_mapping.shape[0]
+        # the inputs into the input buffer, then to the host in one transfer
+        stage, host_stage, host = self._stage(3 * b + 1 + b * cols + n_slots)
+        parts = [query_start_loc, seq_lens, num_computed_tokens, block_table.reshape(-1)]
         if slot_mapping is not None:
-            checks.check_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
-            checks.check_shape("slot_mapping", slot_mapping, (None,))
-        named = {"seq_lens": seq_lens, "query_start_loc": query_start_loc, "num_computed_tokens": num_computed_tokens,
-                 "slot_mapping": slot_mapping}
-        for name, t in named.items():
-            if t is not None and t.device != block_table.device:
-                raise ValueError(f"{name}: expected the block table's device {block_table.device}, got {t.device}")
-        stage, qsl, seq, computed, host_bt, host_slots = self._stage_inputs(
-            query_start_loc, seq_lens, num_computed_tokens, block_table, slot_mapping)
-        num_decode_tokens, num_tokens = self._split(qsl, seq, computed, decode_query_len, num_decodes,
-                                                    num_actual_tokens)
-        if slot_mapping is not None and slot_mapping.shape[0] < num_tokens:
-            raise ValueError(f"slot_mapping: expected at least num_tokens={num_tokens} entries, "
-                             f"got {slot_mapping.shape[0]}")
-        max_block, max_slot = self._check_ids(host_bt, seq, host_slots, num_tokens)
+            parts.append(slot_mapping)
+        if block_table.device == stage.device:
+            torch.cat(parts, out=stage)
+        else:
+            stage.copy_(torch.cat(parts))
+        if self._host_inputs is not self._inputs:
+            host_stage.copy_(stage)  # waits for the stream's work: the last step's copy back included
+        small = host[:3 * b + 1].astype(np.int64)
+        qsl, seq, computed = small[:b + 1], small[b + 1:2 * b + 1], small[2 * b + 1:]
+        qlens, num_decode_tokens, n = self._split(qsl, seq, computed, decode_query_len, num_decodes,
+                                                  num_actual_tokens)
+        if slot_mapping is not None and n_slots < n:
+            raise ValueError(f"slot_mapping: expected at least num_tokens={n} entries, got {n_slots}")
+        host_bt = host[3 * b + 1:3 * b + 1 + b * cols].reshape(b, cols)
+        host_slots = host[3 * b + 1 + b * cols:][:n].astype(np.int64) if n_slots else np.full(n, -1, np.int64)
+        max_block, max_slot = self._check_ids(host_bt, seq, host_slots)
 
-        # the step's tensors: views of the two buffers (stable addresses for a step of the same
-        # shape), the block-table rebase in place on the device, the rest derived on the host and
-        # copied in at once
-        cols = block_table.shape[1]
-        b, n_bt = num_reqs, num_reqs * cols
-        seqs = stage[b + 1:2 * b + 1]
-        bt = stage[3 * b + 1:3 * b + 1 + n_bt].view(num_reqs, cols)
-        page16 = self.page16_block_table_buffer[:num_reqs, :cols]
-        torch.mul(bt, 2, out=page16)  # reference.rebase_block_table_to_page16
-        host_slots = host_slots[:num_tokens] if slot_mapping is not None else np.full(num_tokens, -1, np.int32)
-        # reference.rebase_slots_to_page16: slot + its block's first slot (block * 128), < 0 kept
-        host_page16_slots = host_slots + (np.maximum(host_slots, 0) & -BLOCK_SIZE)
-        num_prefills, n = num_reqs - num_decodes, num_tokens - num_decode_tokens
-        derived = [host_page16_slots, host_slots]
-        if num_prefills:
-            qlens = np.diff(np.asarray(qsl[num_decodes:], dtype=np.int64))
-            cu = np.concatenate([[0], np.cumsum(qlens)])
-            ctx = np.asarray(computed[num_decodes:], dtype=np.int64)
-            req = np.repeat(np.arange(num_prefills), qlens)  # reference.query_token_positions
-            derived += [cu, ctx, req, ctx[req] + np.arange(n) - cu[req]]
-        sizes = [len(x) for x in derived]
-        dev = self._derived.view(sum(sizes))
-        dev.copy_(torch.from_numpy(np.concatenate(derived).astype(np.int32)))
-        views = torch.split(dev, sizes)
-        page16_slots, slots = views[0], views[1]
+        layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
+        count = self._derive(layout, host_bt, host_slots, qlens[num_decodes:], computed[num_decodes:])
+        if self.gpu_writer:
+            token_index, insert_slots = layout.token_index, layout.slots  # the GPU writer skips slots < 0
+        else:  # the portable writer takes the written tokens only, after the layout's derived values
+            keep = np.flatnonzero(host_slots >= 0)
+            m, lo = keep.shape[0], layout.n_derived
+            out = self._host_derived.numpy()
+            out[lo:lo + m], out[lo + m:lo + 2 * m] = keep, host_slots[keep]
+            count = lo + 2 * m
+            token_index, insert_slots = self._derived[lo:lo + m], self._derived[lo + m:lo + 2 * m]
+        self._copy_back(layout, count)
 
         decode = prefill = None
-        if num_decodes:
-            decode = DecodeMetadata(bt[:num_decodes], seqs[:num_decodes], decode_query_len, page16[:num_decodes])
-        if num_prefills:
-            cu, ctx, query_req_id, query_abs_pos = views[2:]
-            prefill = PrefillMetadata(bt[num_decodes:], cu, seqs[num_decodes:], ctx, query_req_id, query_abs_pos,
-                                      page16[num_decodes:])
-        if self.kernels is not None and self.kernels.target in InsertKvGpuSpec.targets:
-            token_index, insert_slots = self._token_index.view(num_tokens), slots  # the GPU writer skips < 0
+        if layout.decode is not None:
+            bt, seqs, page16 = layout.decode
+            decode = DecodeMetadata(bt, seqs, decode_query_len, page16)
+        if layout.prefill is not None:
+            bt, seqs, page16 = layout.prefill
+            cu, ctx, query_req_id, query_abs_pos = layout.prefill_views
+            prefill = PrefillMetadata(bt, cu, seqs, ctx, query_req_id, query_abs_pos, page16)
+        return MsaMetadata(n, num_decodes, num_decode_tokens, b - num_decodes, n - num_decode_tokens, decode, prefill,
+                           layout.slots, layout.page16_slots, token_index, insert_slots, max_block, max_slot,
+                           layout.key)
+
+    def _derive(self, layout, block_table, slots, qlens, computed) -> int:
+        """Write the derived values into the host side of the derived buffer (once the last
+        step's copy of it has left): the page-16 block table and slots, the slots, and for
+        prefills cu_seqlens_q, context_lens, query_req_id and query_abs_pos. Returns their count."""
+        if self._copy_stream is not None and self._copy_stream != self._raw_stream():
+            torch.cuda.synchronize(self.device)  # the last copy back went on another stream: let it finish
+        out = layout.host_derived.numpy()
+        n, m = slots.shape[0], block_table.size
+        np.multiply(block_table.reshape(-1), 2, out=out[:m])  # reference.rebase_block_table_to_page16
+        # reference.rebase_slots_to_page16: slot + its block's first slot (block * 128), < 0 kept
+        out[m:m + n] = slots + (np.maximum(slots, 0) & -BLOCK_SIZE)
+        out[m + n:m + 2 * n] = slots
+        if qlens.size:
+            p, lo = qlens.shape[0], m + 2 * n
+            cu = out[lo:lo + p + 1]
+            cu[0] = 0
+            np.cumsum(qlens, out=cu[1:])
+            out[lo + p + 1:lo + 2 * p + 1] = computed
+            req = np.repeat(np.arange(p), qlens)  # reference.query_token_positions
+            n_prefill = req.shape[0]
+            lo += 2 * p + 1
+            out[lo:lo + n_prefill] = req
+            out[lo + n_prefill:lo + 2 * n_prefill] = computed[req] + np.arange(n_prefill) - cu[req]
+        return layout.n_derived
+
+    def _copy_back(self, layout, count):
+        """The derived buffer's first `count` values to the device (a GPU's: asynchronously; the
+        next step's transfer to the host waits for it, being on the same stream)."""
+        if self._host_derived is self._derived or count == 0:
+            return
+        if count == layout.n_derived:
+            layout.derived.copy_(layout.host_derived, non_blocking=True)
         else:
-            keep = (slots >= 0).nonzero().reshape(-1)  # the portable writer takes written tokens only
-            token_index, insert_slots = keep.int(), slots[keep]
-        step = [t for t in (bt, seqs, slots, token_index, insert_slots) if t is not None]
-        if prefill is not None:
-            step += [prefill.cu_seqlens_q, prefill.context_lens, prefill.query_req_id, prefill.query_abs_pos]
-        step_key = (num_tokens, num_decodes, decode_query_len, *((s.data_ptr(), tuple(s.shape)) for s in step))
-        return MsaMetadata(num_tokens, num_decodes, num_decode_tokens, num_reqs - num_decodes,
-                           num_tokens - num_decode_tokens, decode, prefill, slots, page16_slots, token_index,
-                           insert_slots, max_block, max_slot, step_key)
+            self._derived[:count].copy_(self._host_derived[:count], non_blocking=True)
+        self._copy_stream = self._raw_stream()
