@@ -27,6 +27,9 @@ its own block always among them):
   to back, as serving without a graph runs them (one step's metadata, each layer its own cache
   slice of the pool, consecutive layers sharing no block, one sync a step): the end-to-end
   per-call time of forward in serving;
+- paged_kernel_us (cuda, decode): kernel_us of the same step attended through the page table an
+  indexer emits for it (SparseAttention.forward with sparse_block_table: the GPU attend over a
+  given table), its output checked first; paged_over_topk its ratio to kernel_us;
 - torch_us: torch eager's reference attend over the prebuilt page table (CUDA events, median);
 - GB/s counts the selected K and V bytes the queries see, divided by kernel_us, and % copy
   relates it to a device-to-device copy measured in the same run.
@@ -419,6 +422,32 @@ def add_kernel_time(lib, device, row, rotations=16, flushes=None):
     row.update(kernel_us=k_us, kernels_us=by_kernel, GBps=c.kv_bytes / k_us / 1e3,
                x_torch=row["torch_us"] / k_us, overhead_us=row["forward_us"] - k_us,
                forward_over_kernel=row["forward_us"] / k_us, kernel_dirty_us=kernel_us(fwd, device, flush=flushes.dirty))
+    if row["phase"] == "decode":
+        paged = paged_decode_forward(lib, device, c, row["q_heads"], row["kv_dtype"], row["matrix"])
+        if paged is not None:
+            row["paged_kernel_us"] = kernel_us(paged, device, flush=flushes.clean)
+            row["paged_over_topk"] = row["paged_kernel_us"] / k_us
+
+
+def paged_decode_forward(lib, device, c, num_heads, kv_name, matrix):
+    """The same decode step attended through the page table an indexer would emit for it
+    (reference.build_sparse_block_table_decode; the GPU attend over a given table), its output
+    checked against the reference; None where the target has no GPU paged attend. The layer does
+    not validate the table (a host sync): the timed call is the launch alone."""
+    attn = SparseAttention(num_heads, 1, 128, 128 ** -0.5, DTYPES[kv_name], kernels=lib, gpu_matrix=matrix,
+                           validate_emitted_tables=False)
+    if attn.paged_spec is None:
+        return None
+    (md,) = _decode_metadata(lib, device, c, [c.block_table])
+    bt, ctx = reference.build_sparse_block_table_decode(c.topk, c.block_table, c.seq_lens, c.L, 16)
+    out = torch.full_like(c.q, float("nan"))
+    fwd = lambda: attn.forward(c.q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale,
+                               sparse_block_table=bt, sparse_context_lens=ctx)
+    fwd()
+    ref = torch.empty_like(c.q)
+    reference.sparse_paged_attend(c.q, c.k_cache, c.v_cache, bt, ctx, 1, attn.scale, ref, c.k_scale, c.v_scale)
+    check_output(out, ref, f"paged decode B={c.batch} ctx={c.context} L={c.L} {kv_name}")
+    return fwd
 
 
 def _prefill_setup(lib, device, kv_name, q_len, context, num_heads, matrix):
@@ -473,12 +502,13 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
 
 def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_lens=(1, 4), prefill=True):
     """The compiled kernels a bench run calls (stride 16: the interleaved cache the cases use)."""
-    from msa_iree.ops import SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec
+    from msa_iree.ops import SparseAttnPagedFmaSpec, SparseAttnPagedMmaSpec, SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec
 
     specs = []
     for kv in kv_dtypes:
         for hq in heads:
             cfg = MsaConfig(num_heads=hq, kv_dtype=kv)
+            specs += [cls(cfg, 16) for cls in (SparseAttnPagedFmaSpec, SparseAttnPagedMmaSpec) if cls.supports(cfg)]
             specs += [SparseAttnDecodeFmaSpec(cfg.replace(decode_query_len=L), 16) for L in decode_query_lens]
             if SparseAttnDecodeMmaSpec.supports(cfg):
                 specs += [SparseAttnDecodeMmaSpec(cfg.replace(decode_query_len=L), 16) for L in decode_query_lens]
@@ -534,7 +564,8 @@ def format_table(rows, copy_GBps):
     if not any("forward_us" in r for r in rows):
         return format_anchor_table(rows, copy_GBps)
     head = (f"{'phase':>7} {'matrix':>6} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'L':>4} {'kernel us':>9} {'GB/s':>6} {'%copy':>5} {'dirty us':>8} "
-            f"{'call us':>8} {'fwd us':>8} {'fwd/k':>5} {'step us':>7} {'graph us':>8} {'torch us':>9} {'x torch':>7} {'max err':>8}")
+            f"{'call us':>8} {'fwd us':>8} {'fwd/k':>5} {'step us':>7} {'graph us':>8} {'torch us':>9} {'x torch':>7} {'max err':>8} "
+            f"{'paged/k':>7}")
     lines = [format_anchor_table(rows, copy_GBps), "", "the harness's other columns:", head]
     for r in rows:
         k = f"{r['kernel_us']:9.1f}" if r.get("kernel_us") else f"{'-':>9}"
@@ -543,9 +574,11 @@ def format_table(rows, copy_GBps):
         graph = f"{r['graph_us']:8.1f}" if r.get("graph_us") else f"{'-':>8}"
         step = f"{r['step_us']:7.1f}" if r.get("step_us") else f"{'-':>7}"
         dirty = f"{r['kernel_dirty_us']:8.1f}" if r.get("kernel_dirty_us") else f"{'-':>8}"
+        paged = table_cell(r.get("paged_over_topk"), 7, ".3f")
         lines.append(f"{r['phase']:>7} {r.get('matrix', 'auto'):>6} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} {r['batch']:>4} {r['context']:>6} "
                      f"{r['L']:>4} {k} {r['GBps']:6.0f} {100 * r['GBps'] / copy_GBps:5.1f} {dirty} {call} "
-                     f"{r['forward_us']:8.1f} {ratio} {step} {graph} {r['torch_us']:9.1f} {r['x_torch']:7.2f} {r['max_abs_err']:8.1e}")
+                     f"{r['forward_us']:8.1f} {ratio} {step} {graph} {r['torch_us']:9.1f} {r['x_torch']:7.2f} {r['max_abs_err']:8.1e} "
+                     f"{paged}")
     return "\n".join(lines)
 
 

@@ -113,3 +113,38 @@ def check_ids_in_range(name, ids, upper, lower=0):
     if lo < lower or hi >= upper:
         bad = lo if lo < lower else hi
         _fail(name, f"ids in [{lower}, {upper})", f"{bad} (out of range)", IndexError)
+
+
+def check_page_table(sparse_bt, sparse_ctx, num_kv_heads, upper, block_page_stride=None):
+    """Host-syncing check (one sync) of a given page table, sparse_bt [rows, 128] folded page ids
+    and sparse_ctx [rows] lengths (row r = token * H + head): every page a row reads (its first
+    cdiv(ctx, 16)) in [0, upper), ctx at most 128 pages' tokens; with block_page_stride, each
+    8-page group a row reads one block's pages in order (folded ids (block * stride + j) * H + h),
+    as the GPU attend reads a group through its first page."""
+    rows = sparse_bt.shape[0]
+    if rows == 0:
+        return
+    dev, h = sparse_bt.device, num_kv_heads
+    ids, ctx = sparse_bt.long(), sparse_ctx.long()
+    read = (torch.arange(sparse_bt.shape[1], device=dev) * 16)[None, :] < ctx[:, None]
+    flags = [(read & ((ids < 0) | (ids >= upper))).any(), (ctx > sparse_bt.shape[1] * 16).any()]
+    if block_page_stride is not None:
+        groups, read8 = ids.view(rows, -1, 8), read.view(rows, -1, 8)
+        first = groups[:, :, :1]
+        head = (torch.arange(rows, device=dev) % h)[:, None, None]
+        aligned = (torch.div(first, h, rounding_mode="floor") % block_page_stride == 0) & (first % h == head)
+        in_order = groups == first + torch.arange(8, device=dev) * h
+        flags.append((read8 & ~(in_order & aligned)).any())
+    flags = torch.stack(flags).tolist()
+    if flags[0]:
+        r, c = (int(i) for i in (read & ((ids < 0) | (ids >= upper))).nonzero()[0])
+        _fail("sparse_block_table", f"ids in [0, {upper})", f"{int(ids[r, c])} at row {r}, column {c} (out of range)",
+              IndexError)
+    if flags[1]:
+        r = int((ctx > sparse_bt.shape[1] * 16).nonzero()[0])
+        _fail("sparse_context_lens", f"at most {sparse_bt.shape[1] * 16} tokens (the table's pages)",
+              f"{int(ctx[r])} at row {r}")
+    if len(flags) > 2 and flags[2]:
+        r, g = (int(i) for i in (read8 & ~(in_order & aligned)).any(2).nonzero()[0])
+        _fail("sparse_block_table", f"each 8-page group one block's pages in order, (block * {block_page_stride} + j) "
+              f"* {h} + {r % h} for j = 0..7", f"{groups[r, g].tolist()} at row {r}, group {g}")

@@ -61,4 +61,8 @@ def gpu_test_specs():
     for kv in ("fp8_e4m3fn", "fp8_e4m3fnuz"):  # the NaN-code tests: decode L=1, interleaved
         specs += [cls(MsaConfig(kv_dtype=kv), 16) for cls in (SparseAttnDecodeFmaSpec, SparseAttnDecodeMmaSpec, Mfma)]
     specs += [cls(MsaConfig(), 16) for cls in (SparseAttnDecodeMmaSpec, Mfma)]  # workspace, NaN-tail tests (bf16)
+    from msa_iree.ops import GPU_PAGED_ATTEND  # the attend over a given page table (test_gpu's paged tests)
+    for matrix, kv in (("fma", "bf16"), ("mma", "bf16"), ("mma", "fp8_e4m3fn"), ("mfma", "bf16"),
+                       ("mfma", "fp8_e4m3fnuz"), ("fma", "fp8_e4m3fn")):
+        specs.append(GPU_PAGED_ATTEND[matrix, "cuda"](MsaConfig(kv_dtype=kv), 16))
     return list({s.name: s for s in specs}.values())

@@ -205,3 +205,40 @@ def test_a_duplicated_full_block_counts_twice_and_a_duplicated_own_block_once(la
         attn.forward(q, k_cache, v_cache, out, topk, md)
         assert_attend_close(out, want.to(BF16))
     assert (want_twice.float() - want_once.float()).abs().max() > 0.05  # the two readings differ
+
+
+def test_a_given_page_table_is_checked_for_range_length_and_block_groups():
+    """checks.check_page_table, the validation of an emitted table (row r = token * H + head):
+    only the pages a row reads (its first cdiv(ctx, 16)) count; with a block page stride each
+    read 8-page group must be one block's pages in order for the row's head."""
+    from msa_iree import checks
+
+    h = 2
+    group = lambda block, head: [(block * 16 + j) * h + head for j in range(8)]
+    sbt = torch.zeros(2, 128, dtype=torch.int32)
+    sbt[0, :8], sbt[0, 8:16], sbt[0, 16:] = torch.tensor(group(3, 0)), torch.tensor(group(5, 0)), 10 ** 6
+    sbt[0, 9:16] = 999  # row 0 reads 9 pages (ctx 130): only group 1's first; the rest is never read
+    sbt[1, :8] = torch.tensor(group(4, 1))
+    ctx = torch.tensor([130, 128], dtype=torch.int32)
+    checks.check_page_table(sbt, ctx, h, 200, block_page_stride=16)
+
+    def refused(exc, match, bt=sbt, lens=ctx, stride=16):
+        with pytest.raises(exc, match=match):
+            checks.check_page_table(bt, lens, h, 200, block_page_stride=stride)
+
+    swapped = sbt.clone()
+    swapped[1, [2, 3]] = swapped[1, [3, 2]]
+    refused(ValueError, r"each 8-page group one block's pages in order.*\* 2 \+ 1 for j = 0..7, got .* at row 1, group 0",
+            swapped)
+    checks.check_page_table(swapped, ctx, h, 200)  # the portable attend reads any page order
+    other_head = sbt.clone()
+    other_head[1, :8] = torch.tensor(group(4, 0))
+    refused(ValueError, "at row 1, group 0", other_head)
+    unaligned = sbt.clone()
+    unaligned[1, :8] += h  # pages 1..8 of block 4: not a block's first page
+    refused(ValueError, "at row 1, group 0", unaligned)
+    far = sbt.clone()
+    far[0, 8] = 10 ** 6
+    refused(IndexError, r"sparse_block_table: expected ids in \[0, 200\), got 1000000 at row 0, column 8", far)
+    refused(ValueError, "sparse_context_lens: expected at most 2048 tokens .*, got 2049 at row 1",
+            lens=torch.tensor([130, 2049], dtype=torch.int32))

@@ -16,7 +16,7 @@ from msa_iree import testing
 from msa_iree.config import DTYPES, MsaConfig
 import gpu_cases
 import tolerances as tol
-from msa_iree.ops import GPU_ATTEND, SparseAttnDecodeFmaSpec
+from msa_iree.ops import GPU_ATTEND, GPU_PAGED_ATTEND, SparseAttnDecodeFmaSpec
 from msa_iree.ops.fp8 import storage_dtype
 from msa_iree.runtime.library import module_scale
 
@@ -879,3 +879,78 @@ def test_sixteen_blocks_with_a_context_ending_late_in_the_last_partition(cuda_ke
     ws = _poisoned_workspace(spec, c.q.shape[0])
     cuda_kernels.run(spec, *[a.to(dev) for a in _module_operands(c, c.seq_lens)], out=[out, ws])
     _assert_every_row_written_and_close(out.cpu(), ref, f"{matrix} {kv}")
+
+
+# ---- the attend over a given page table (the indexer's emitted table) ---------------------------
+
+PAGED_VARIANTS = [("fma", "bf16", "tensor"), ("mma", "bf16", "tensor"), ("mma", "fp8_e4m3fn", "token"),
+                  ("mfma", "bf16", "tensor"), ("mfma", "fp8_e4m3fnuz", "token"), ("fma", "fp8_e4m3fn", "tensor")]
+
+
+def _paged_cases(kv, smode, seed):
+    """(case, sparse_bt, sparse_ctx): chunked-prefill rows (block edges, one token, a long prompt)
+    and decode rows, their tables built by the reference; one row of each case emptied (all top-k
+    -1: length 0, must come out zero)."""
+    pre = testing.prefill_case([130, 1, 127, 300, 64], [0, 128, 1, 2000, 4000], kv_dtype=DTYPES[kv], seed=seed,
+                               scale_mode=smode)
+    dec = testing.decode_case([1, 127, 128, 129, 2048, 2049, 4000], kv_dtype=DTYPES[kv], seed=seed + 1,
+                              scale_mode=smode)
+    out = []
+    for c in (pre, dec):
+        c.topk[:, 3] = -1
+        sbt, sctx = R.build_sparse_block_table_prefill(c.topk, c.block_table, c.query_req_id, c.query_abs_pos, 16)
+        out.append((c, sbt, sctx))
+    return out
+
+
+@pytest.mark.parametrize("matrix, kv, smode", PAGED_VARIANTS)
+def test_the_paged_attend_reads_an_emitted_table_as_the_reference(cuda_kernels, matrix, kv, smode):
+    """The GPU attend over a given page table (each 8-page group one block's pages, as the
+    emitters make it) against reference.sparse_paged_attend, for chunked-prefill and decode rows,
+    through each family (mfma: gfx942's, emulated); a row of length 0 comes out zero."""
+    dev = torch.device("cuda")
+    spec = GPU_PAGED_ATTEND[matrix, "cuda"](MsaConfig(kv_dtype=kv), 16)
+    for c, sbt, sctx in _paged_cases(kv, smode, seed=41):
+        t = c.q.shape[0]
+        ks, vs = (module_scale(x, 1).contiguous() for x in (c.k_scale, c.v_scale))
+        args = [c.q, _flat_pages(c.k_cache), _flat_pages(c.v_cache), sbt.view(t, 1, -1), sctx.view(t, 1),
+                torch.tensor([c.scale]), ks, vs]
+        out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device=dev)
+        cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, _poisoned_workspace(spec, t)])
+        ref = torch.empty_like(c.q)
+        R.sparse_paged_attend(c.q, c.k_cache, c.v_cache, sbt, sctx, 1, c.scale, ref, c.k_scale, c.v_scale)
+        out = out.cpu()
+        _assert_every_row_written_and_close(out, ref, f"{matrix} {kv} rows {t}")
+        assert int(sctx[3]) == 0 and out[3].eq(0).all()
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+def test_a_layer_attends_an_emitted_table_like_its_top_k_in_one_launch(cuda_kernels, kv):
+    """SparseAttention.forward with the indexer's table on CUDA: the same output as its own top-k
+    path for a mixed step (decodes, then a chunked prefill: one launch over every row), and a table
+    whose 8-page group is not one block's pages in order is refused by name (validation on)."""
+    from msa_iree.runtime import MetadataBuilder, SparseAttention
+
+    dev = torch.device("cuda")
+    c = testing.prefill_case([1, 1, 200], [300, 2048, 129], kv_dtype=DTYPES[kv], seed=43)
+    kc, vc = c.k_cache.to(dev), c.v_cache.to(dev)
+    ks, vs = (None if x is None else x.to(dev) for x in (c.k_scale, c.v_scale))
+    q, topk = c.q.to(dev), c.topk.to(dev)
+    builder = MetadataBuilder(4, 4096, kernels=cuda_kernels, device=dev)
+    qsl = c.cu_seqlens_q.to(dev)
+    md = builder.build(c.block_table.to(dev), c.seq_lens.to(dev), qsl, c.prefix_lens.to(dev), 1, 2)
+    attn = SparseAttention(16, 1, 128, c.scale, DTYPES[kv], kernels=cuda_kernels)
+    by_topk = attn.forward(q, kc, vc, torch.empty_like(q), topk, md, ks, vs)
+    sbt, sctx = R.build_sparse_block_table_prefill(c.topk, c.block_table, c.query_req_id, c.query_abs_pos, 16)
+    by_table = attn.forward(q, kc, vc, torch.full_like(q, float("nan")), topk, md, ks, vs,
+                            sparse_block_table=sbt.to(dev), sparse_context_lens=sctx.to(dev))
+    ref = torch.empty_like(c.q)
+    R.sparse_paged_attend(c.q, c.k_cache, c.v_cache, sbt, sctx, 1, c.scale, ref, c.k_scale, c.v_scale)
+    _assert_every_row_written_and_close(by_table.cpu(), ref, "table")
+    _assert_every_row_written_and_close(by_topk.cpu(), ref, "top-k")
+    swapped = sbt.clone()
+    swapped[2, [0, 1]] = swapped[2, [1, 0]]  # the last row's first group out of order
+    with pytest.raises(ValueError, match=r"sparse_block_table: expected each 8-page group one block's pages in "
+                                         r"order.*at row 2, group 0"):
+        attn.forward(q, kc, vc, torch.empty_like(q), topk, md, ks, vs, sparse_block_table=swapped.to(dev),
+                     sparse_context_lens=sctx.to(dev))

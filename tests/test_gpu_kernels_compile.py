@@ -35,10 +35,16 @@ def test_specs_refuse_what_they_cannot_build():
     assert K.SparseAttnDecodeFmaSpec.output_storage
     names = {s.name for s in K.kernel_set(MsaConfig(), target="cuda")}
     assert K.SparseAttnDecodeFmaSpec(MsaConfig(), 16).name in names
+    assert {K.SparseAttnPagedFmaSpec(MsaConfig(), 16).name, K.SparseAttnPagedMmaSpec(MsaConfig(), 16).name} <= names
+    assert {s.stride for s in K.kernel_set(MsaConfig(), target="cuda") if getattr(s, "paged", False)} == {16}
     assert not any("gpu" in s.name for s in K.kernel_set(MsaConfig(), target="host"))
 
 
-@pytest.mark.parametrize("spec", DECODE + INSERT, ids=lambda s: s.name)
+PAGED_CUDA = [K.SparseAttnPagedMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16),
+              K.SparseAttnPagedFmaSpec(MsaConfig(kv_dtype="bf16"), 16)]
+
+
+@pytest.mark.parametrize("spec", DECODE + INSERT + PAGED_CUDA, ids=lambda s: s.name)
 def test_compiles_for_cuda(tmp_path, spec):
     manifest = C.build(None, ["cuda"], tmp_path, specs=[spec], log=lambda m: None)["cuda"]
     assert (manifest.parent / f"{spec.name}.vmfb").stat().st_size > 10_000
@@ -93,6 +99,28 @@ def test_gfx942_mfma_isa(tmp_path):
         asm = "".join(f.read_text() for f in (tmp_path / "isa" / spec.name).glob("*.rocmasm"))
         split_asm = asm[asm.index("\nsplit:"):]
         assert "global_load_dwordx4" in split_asm[:split_asm.index("s_barrier")], spec.name
+
+
+PAGED = [K.SparseAttnPagedMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16),
+         K.SparseAttnPagedMfmaSpec(MsaConfig(kv_dtype="bf16"), 16), K.SparseAttnPagedFmaSpec(MsaConfig(kv_dtype="bf16"), 16)]
+
+
+def test_gfx942_paged_attend_isa(tmp_path):
+    """The attend over a given page table (the indexer's emitted table) on gfx942 (compiled, never
+    run here): it reads the table, not top-k, a block table or positions; the same two dispatches
+    and no scratch; the MFMA variant keeps its 32 MFMAs a block and >= 4 waves per SIMD."""
+    for spec in PAGED:
+        attend = spec.render()
+        attend = attend[attend.index("func.func private @attend"):]
+        assert "%sbt" in attend and "%sctx" in attend and "%topk" not in attend and "%bt," not in attend
+    C.build(None, ["gfx942"], tmp_path, specs=PAGED, log=lambda m: None)
+    report = {r["kernel"]: r for r in kernel_report(tmp_path)}
+    for spec in PAGED:
+        assert report[spec.name]["dispatches"] == 2
+        split = next(f for f in report[spec.name]["functions"] if f["function"] == "split")
+        assert split["scratch_bytes"] == 0 and split["scratch_ops"] == 0, spec.name
+        if spec.family == "mfma":
+            assert split["mfma"] == 32 and split["waves_per_simd"] >= 4, split
 
 
 def test_waves_per_simd_counts_lds():

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from ..config import MsaConfig
 from .attend_gpu import GpuAttendSpec
-from .fma import SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec
+from .fma import SparseAttnDecodeFmaSpec, SparseAttnPagedFmaSpec, SparseAttnPrefillFmaSpec
 from .insert_gpu import InsertKvGpuSpec
-from .mfma import (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaEmulatedSpec,
-                   SparseAttnPrefillMfmaSpec)
-from .mma import SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec
+from .mfma import (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnDecodeMfmaSpec, SparseAttnPagedMfmaEmulatedSpec,
+                   SparseAttnPagedMfmaSpec, SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPrefillMfmaSpec)
+from .mma import SparseAttnDecodeMmaSpec, SparseAttnPagedMmaSpec, SparseAttnPrefillMmaSpec
 from .portable import (BuildDecodeTableSpec, BuildPrefillTableSpec, InsertKvSpec, RebaseBlockTableSpec,
                        RebaseSlotsSpec, SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 from .spec import KernelSpec, TemplateSpec
@@ -25,7 +25,8 @@ PORTABLE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec, BuildDecodeTableSpec, B
                   SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, InsertKvSpec)
 GPU_SPECS = (SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec,
              SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaSpec, SparseAttnDecodeMfmaEmulatedSpec,
-             SparseAttnPrefillMfmaEmulatedSpec, InsertKvGpuSpec)
+             SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPagedFmaSpec, SparseAttnPagedMmaSpec, SparseAttnPagedMfmaSpec,
+             SparseAttnPagedMfmaEmulatedSpec, InsertKvGpuSpec)
 ALL_KERNELS = {cls.kernel: cls for cls in (*PORTABLE_SPECS, *GPU_SPECS)}
 
 # (attend family, target) -> the GPU attend's (decode, prefill) spec classes. "mfma" on cuda is the
@@ -38,15 +39,29 @@ GPU_ATTEND = {
     ("mfma", "gfx942"): (SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaSpec),
     ("mfma", "cuda"): (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnPrefillMfmaEmulatedSpec),
 }
+# (attend family, target) -> the GPU attend over a given page table (the indexer's emitted table;
+# interleaved caches only, block page stride 16, as the page-16 rebase assumes)
+GPU_PAGED_ATTEND = {
+    ("fma", "cuda"): SparseAttnPagedFmaSpec,
+    ("fma", "gfx942"): SparseAttnPagedFmaSpec,
+    ("mma", "cuda"): SparseAttnPagedMmaSpec,
+    ("mfma", "gfx942"): SparseAttnPagedMfmaSpec,
+    ("mfma", "cuda"): SparseAttnPagedMfmaEmulatedSpec,
+}
 # the matrix-core family each GPU target serves with
 NATIVE_MATRIX = {"cuda": "mma", "gfx942": "mfma"}
 
 
-def served_attends(cfg: MsaConfig, target: str) -> list[tuple]:
-    """The GPU attend (decode, prefill) spec classes a deployment of `cfg` on `target` needs: the
+def served_families(cfg: MsaConfig, target: str) -> list[tuple]:
+    """The (family, target) keys of the GPU attends a deployment of `cfg` on `target` needs: the
     FMA family and the target's matrix-core family, each where it can build `cfg`."""
     families = [("fma", target), (NATIVE_MATRIX.get(target), target)]
-    return [GPU_ATTEND[f] for f in families if f in GPU_ATTEND and GPU_ATTEND[f][0].supports(cfg)]
+    return [f for f in families if f in GPU_ATTEND and GPU_ATTEND[f][0].supports(cfg)]
+
+
+def served_attends(cfg: MsaConfig, target: str) -> list[tuple]:
+    """The GPU attend (decode, prefill) spec classes of `served_families`."""
+    return [GPU_ATTEND[f] for f in served_families(cfg, target)]
 
 
 def unbuilt_attends(cfg: MsaConfig, target: str) -> dict[str, str]:
@@ -69,6 +84,8 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
                       SparseAttnDecodeSpec(cfg.replace(decode_query_len=L), stride)]
             specs += [decode(cfg.replace(decode_query_len=L), stride) for decode, _ in gpu_attends]
         specs += [prefill(cfg, stride) for _, prefill in gpu_attends]
+        if stride == 16:  # a given page table is read over an interleaved cache only
+            specs += [GPU_PAGED_ATTEND[f](cfg, stride) for f in served_families(cfg, target)]
         if target in InsertKvGpuSpec.targets:
             specs.append(InsertKvGpuSpec(cfg, stride))
         specs += [cls(cfg, stride) for cls in (BuildPrefillTableSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec,
@@ -76,5 +93,5 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
     return specs
 
 
-__all__ = ["ALL_KERNELS", "GPU_ATTEND", "GPU_SPECS", "NATIVE_MATRIX", "PORTABLE_SPECS", "GpuAttendSpec", "KernelSpec",
-           "TemplateSpec", "kernel_set", "served_attends", "unbuilt_attends", *[c.__name__ for c in ALL_KERNELS.values()]]
+__all__ = ["ALL_KERNELS", "GPU_ATTEND", "GPU_PAGED_ATTEND", "GPU_SPECS", "NATIVE_MATRIX", "PORTABLE_SPECS", "GpuAttendSpec", "KernelSpec",
+           "TemplateSpec", "kernel_set", "served_attends", "served_families", "unbuilt_attends", *[c.__name__ for c in ALL_KERNELS.values()]]

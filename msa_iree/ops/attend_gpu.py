@@ -25,6 +25,7 @@ class GpuAttendSpec(TemplateSpec):
     template = "sparse_attend.mlir.j2"
     family = ""        # "fma", "mma" or "mfma": the template's parts and the tuning row
     prefill = False    # rows from query_req_id / query_abs_pos (chunked prefill), else seq_lens and L
+    paged = False      # rows from a given page table (sparse_bt / sparse_ctx: the indexer's), decode or prefill
     native_fp8 = None  # the fp8 format this family's target converts in hardware (hw_fp8)
     emulate_mfma = False
     # `main` takes the output tensor and a workspace (workspace_floats) last and writes into them
@@ -66,11 +67,13 @@ class GpuAttendSpec(TemplateSpec):
         t, fp8 = self.tuning, self.cfg.is_fp8
         hw_fp8 = t.hw_fp8 and self.cfg.kv_dtype == self.native_fp8
         async_kv = t.async_kv_fp8 and fp8
+        # a given page table has no block-table row to stage (nor q loads to overlap with it)
+        bt_preload = 0 if self.paged else t.bt_preload
         return {"SPLITS": self.tuning.split_rule(fp8), "MERGE_ROWS_SPLITS": t.merge_rows_splits,
-                "MRP": t.merge_row_parts, "BT_PRELOAD": t.bt_preload, "MIN_CTAS": t.min_ctas_per_sm,
+                "MRP": t.merge_row_parts, "BT_PRELOAD": bt_preload, "MIN_CTAS": t.min_ctas_per_sm,
                 "WAVES_PER_EU": None if self.emulate_mfma else t.waves_per_eu, "HW_FP8": hw_fp8,
                 "ASYNC_KV": async_kv, "EARLY_V": t.early_v and not fp8,
-                "Q_FIRST": self.q_first_applies(t.q_first and t.bt_preload > 0)}
+                "Q_FIRST": self.q_first_applies(t.q_first and bt_preload > 0)}
 
     def q_first_applies(self, wanted: bool) -> bool:
         return wanted
@@ -94,18 +97,20 @@ class GpuAttendSpec(TemplateSpec):
 
     @property
     def variant(self) -> str:
-        base = super().variant if self.prefill else f"{super().variant}.L{self.cfg.decode_query_len}"
+        # a decode's L is in its name; prefill and page-table rows carry their own positions
+        base = super().variant if self.prefill or self.paged else f"{super().variant}.L{self.cfg.decode_query_len}"
         return f"{base}.{self.tag}"
 
     def describe(self) -> dict:
         knobs = {k.lower(): list(map(list, v)) if k == "SPLITS" else v for k, v in self.knobs().items()}
-        return {**super().describe(), "family": self.family, "prefill": self.prefill, "knobs": knobs}
+        return {**super().describe(), "family": self.family, "prefill": self.prefill, "paged": self.paged,
+                "knobs": knobs}
 
     def render(self) -> str:
         c = self.cfg
         return render_template(self.template, G=c.group_size, H=c.num_kv_heads, L=c.decode_query_len,
                                QT=MLIR_ELEMENT[c.query_dtype], KT=MLIR_ELEMENT[c.kv_dtype],
-                               FP8=FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill,
+                               FP8=FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill, PAGED=self.paged,
                                MMA=self.family == "mma", MFMA=self.family == "mfma", EMULATE=self.emulate_mfma,
                                **self.knobs())
 
@@ -127,8 +132,9 @@ class GpuAttendSpec(TemplateSpec):
         """Whether each K/V page it reads is read by one row only: a decode with one query token a
         sequence (a row reads its own top-k blocks; rows share pages only through a shared prefix).
         Its loads may then be marked L2 evict-first (runtime.cuda_launch.with_l2_evict_first);
-        where rows share pages (several tokens a sequence, prefill) the hint costs re-reads."""
-        return not self.prefill and self.cfg.decode_query_len == 1
+        where rows share pages (several tokens a sequence, prefill) the hint costs re-reads; a given
+        page table's rows may be either."""
+        return not self.prefill and not self.paged and self.cfg.decode_query_len == 1
 
 
 class MatrixAttendSpec(GpuAttendSpec):

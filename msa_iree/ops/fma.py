@@ -28,3 +28,12 @@ class SparseAttnPrefillFmaSpec(SparseAttnDecodeFmaSpec):
 
     kernel = "sparse_attn_prefill_fma"
     prefill = True
+
+
+class SparseAttnPagedFmaSpec(SparseAttnDecodeFmaSpec):
+    """The FMA attend over a given page table (the indexer's emitted sparse_bt [T, H, 128] and
+    sparse_ctx [T, H], each 8-page group one block's pages: operands as the portable
+    sparse_paged_attend's), for decode and prefill rows alike."""
+
+    kernel = "sparse_attn_paged_fma"
+    paged = True

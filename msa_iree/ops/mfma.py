@@ -53,3 +53,17 @@ class SparseAttnPrefillMfmaEmulatedSpec(SparseAttnDecodeMfmaEmulatedSpec):
 
     kernel = "sparse_attn_prefill_mfma_emulated"
     prefill = True
+
+
+class SparseAttnPagedMfmaSpec(SparseAttnDecodeMfmaSpec):
+    """The MFMA attend over a given page table (SparseAttnPagedFmaSpec's operands). NOT RUN (no AMD GPU)."""
+
+    kernel = "sparse_attn_paged_mfma"
+    paged = True
+
+
+class SparseAttnPagedMfmaEmulatedSpec(SparseAttnDecodeMfmaEmulatedSpec):
+    """TEST ONLY: the emulated MFMA attend over a given page table."""
+
+    kernel = "sparse_attn_paged_mfma_emulated"
+    paged = True

@@ -36,3 +36,10 @@ class SparseAttnPrefillMmaSpec(SparseAttnDecodeMmaSpec):
 
     kernel = "sparse_attn_prefill_mma"
     prefill = True
+
+
+class SparseAttnPagedMmaSpec(SparseAttnDecodeMmaSpec):
+    """The tensor-core attend over a given page table (SparseAttnPagedFmaSpec's operands)."""
+
+    kernel = "sparse_attn_paged_mma"
+    paged = True

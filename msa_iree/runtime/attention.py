@@ -13,7 +13,7 @@ import torch
 from .. import checks
 from ..config import DTYPES, MsaConfig, dtype_name
 from ..layout import BLOCK_SIZE, PAGES_PER_BLOCK, block_page_stride
-from ..ops import (GPU_ATTEND, NATIVE_MATRIX, SparseAttnDecodeFmaSpec, SparseAttnDecodeSpec,
+from ..ops import (GPU_ATTEND, GPU_PAGED_ATTEND, NATIVE_MATRIX, SparseAttnDecodeFmaSpec, SparseAttnDecodeSpec,
                    SparseAttnPrefillFmaSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 from ..ops.fp8 import storage_dtype
 from .binding import _contiguous_copies, _LayerBinding, _refresh_copies
@@ -88,6 +88,8 @@ class SparseAttention:
         self.gpu_matrix = _gpu_matrix(self.kernels.target, self.cfg, gpu_matrix)
         self.decode_spec, self.prefill_spec = GPU_ATTEND[self.gpu_matrix, self.kernels.target] \
             if self.gpu_decode else (SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec)
+        # a given page table (sparse_block_table): every row of a step in one launch of this
+        self.paged_spec = GPU_PAGED_ATTEND[self.gpu_matrix, self.kernels.target] if self.gpu_decode else None
 
     # the folded page views the modules read: [pages * H, ...] (id = page * H + head)
     @staticmethod
@@ -221,7 +223,12 @@ class SparseAttention:
         (MetadataBuilder.build), or None for a profiling run (nothing attended, output untouched);
         k_scale/v_scale: fp8 caches' scales, fp32 [1] or [H, >= cache tokens]; sparse_block_table
         [tokens * H, 128] / sparse_context_lens [tokens * H] int32: a page table the indexer
-        emitted, used instead of building one from topk.
+        emitted (row = token * H + head), used instead of building one from topk. On a GPU the
+        hand-written attend reads it, every row of the step in one launch, each 8-page group as
+        one block's pages in order (what msa-iree's and AITER's emitters make); elsewhere the
+        portable attend. With validate_emitted_tables (the default) the table is checked first
+        (checks.check_page_table: ids in the cache, lengths, on a GPU the groups), one host sync a
+        call; without, the kernels clamp every id into the cache (memory-safe, not checked).
         """
         if metadata is None:
             return output  # a profiling run: nothing to attend
@@ -248,12 +255,20 @@ class SparseAttention:
             if sparse_block_table.shape[0] < n * h or sparse_context_lens.shape[0] < n * h:
                 raise ValueError(f"sparse_block_table: expected at least num_actual_tokens * num_kv_heads = {n * h} "
                                  f"rows, got {sparse_block_table.shape[0]} and {sparse_context_lens.shape[0]}")
+            gpu_paged = self.paged_spec is not None
             if self.validate_emitted_tables:
-                checks.check_ids_in_range("sparse_block_table", sparse_block_table[:n * h],
-                                          min(k_cache.shape[0], v_cache.shape[0]) * h)
+                checks.check_page_table(sparse_block_table[:n * h], sparse_context_lens[:n * h], h,
+                                        min(k_cache.shape[0], v_cache.shape[0]) * h, stride if gpu_paged else None)
+        _refresh_copies(layer.refresh)
+        if emitted and gpu_paged:  # the GPU attend over the given table: every row of the step in one launch
+            spec = self._spec(self.paged_spec, stride)
+            kpv, vpv, scale_v, ksv, vsv = layer.views
+            args = (_rows(query, 0, n), kpv, vpv, sparse_block_table[:n * h].reshape(n, h, -1),
+                    sparse_context_lens[:n * h].reshape(n, h), scale_v, ksv, vsv)
+            self.kernels.run(spec, *args, out=[_rows(output, 0, n), self._workspace_for(spec, n, query.device)])
+            return output
         kp, vp = layer.kp, layer.vp
         common = (self.scale_tensor, layer.ks, layer.vs)
-        _refresh_copies(layer.refresh)
         for lo, hi, phase in ((0, nd, metadata.decode), (nd, n, metadata.prefill)):
             if hi == lo:
                 continue
