@@ -293,3 +293,9 @@ def test_only_decode_with_one_token_a_sequence_reads_each_page_once():
         assert not cls(cfg.replace(decode_query_len=4), 16).kv_read_once
     for cls in (K.SparseAttnPrefillFmaSpec, K.SparseAttnPrefillMmaSpec, K.SparseAttnPrefillMfmaSpec):
         assert not cls(cfg, 16).kv_read_once
+    # a page table's rows: as the caller says (the same module either way)
+    for cls in (K.SparseAttnPagedFmaSpec, K.SparseAttnPagedMmaSpec, K.SparseAttnPagedMfmaSpec):
+        assert not cls(cfg, 16).kv_read_once and cls(cfg, 16, read_once=True).kv_read_once
+        assert cls(cfg, 16, read_once=True).name == cls(cfg, 16).name
+    with pytest.raises(ValueError, match="read_once: expected only for a page-table attend"):
+        K.SparseAttnDecodeMmaSpec(cfg, 16, read_once=True)

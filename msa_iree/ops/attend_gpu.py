@@ -21,6 +21,10 @@ class GpuAttendSpec(TemplateSpec):
     """One variant of the GPU attend; `tuning` defaults to the family's row of ops/tuning.py."""
 
     tuning: AttendTuning | None = None
+    # a page-table variant's rows each read their own pages (a decode step of one token a
+    # sequence, which the caller knows and the table does not show): kv_read_once; the module is
+    # the same, so the name is too
+    read_once: bool = False
 
     template = "sparse_attend.mlir.j2"
     family = ""        # "fma", "mma" or "mfma": the template's parts and the tuning row
@@ -44,6 +48,9 @@ class GpuAttendSpec(TemplateSpec):
                              f"got {self.cfg.group_size}")
         if self.cfg.topk != 16:
             raise ValueError(f"topk: expected 16 for the GPU attend, got {self.cfg.topk}")
+        if self.read_once and not self.paged:
+            raise ValueError(f"read_once: expected only for a page-table attend (its rows' reads are not known "
+                             f"from its operands), got it for {self.kernel}")
 
     @classmethod
     def supports(cls, cfg) -> bool:
@@ -132,9 +139,11 @@ class GpuAttendSpec(TemplateSpec):
         """Whether each K/V page it reads is read by one row only: a decode with one query token a
         sequence (a row reads its own top-k blocks; rows share pages only through a shared prefix).
         Its loads may then be marked L2 evict-first (runtime.cuda_launch.with_l2_evict_first);
-        where rows share pages (several tokens a sequence, prefill) the hint costs re-reads; a given
-        page table's rows may be either."""
-        return not self.prefill and not self.paged and self.cfg.decode_query_len == 1
+        where rows share pages (several tokens a sequence, prefill) the hint costs re-reads. A given
+        page table's rows may be either: its spec's read_once says."""
+        if self.paged:
+            return self.read_once
+        return not self.prefill and self.cfg.decode_query_len == 1
 
 
 class MatrixAttendSpec(GpuAttendSpec):

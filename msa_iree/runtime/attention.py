@@ -103,6 +103,15 @@ class SparseAttention:
             spec = self._specs[key] = cls(self.cfg.replace(decode_query_len=decode_query_len), stride)
         return spec
 
+    def _paged_spec(self, stride, read_once):
+        """The GPU page-table attend; read_once: the step's rows each read their own pages (a
+        decode step of one token a sequence: its loads then carry the L2 evict-first hint)."""
+        key = (self.paged_spec, stride, read_once)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = self.paged_spec(self.cfg, stride, read_once=read_once)
+        return spec
+
     def _on(self, device):
         """The constant operands on `device` (moved once, then reused by every call)."""
         if self.scale_tensor.device != device:
@@ -260,8 +269,8 @@ class SparseAttention:
                 checks.check_page_table(sparse_block_table[:n * h], sparse_context_lens[:n * h], h,
                                         min(k_cache.shape[0], v_cache.shape[0]) * h, stride if gpu_paged else None)
         _refresh_copies(layer.refresh)
-        if emitted and gpu_paged:  # the GPU attend over the given table: every row of the step in one launch
-            spec = self._spec(self.paged_spec, stride)
+        if emitted and gpu_paged and n:  # the GPU attend over the given table: every row of the step in one launch
+            spec = self._paged_spec(stride, metadata.prefill is None and metadata.decode.decode_query_len == 1)
             kpv, vpv, scale_v, ksv, vsv = layer.views
             args = (_rows(query, 0, n), kpv, vpv, sparse_block_table[:n * h].reshape(n, h, -1),
                     sparse_context_lens[:n * h].reshape(n, h), scale_v, ksv, vsv)

@@ -233,7 +233,8 @@ class KernelLibrary:
     def stream_kernel(self, spec: KernelSpec):
         """The kernel as a StreamKernel (cuda) or HipStreamKernel (hip) when this library launches on torch's
         stream and the build saved the kernel's launch plan; else None (IREE's call)."""
-        sk = self._stream_kernels.get(spec.name, False)
+        key = (spec.name, getattr(spec, "kv_read_once", False))  # one module, loaded with or without the hint
+        sk = self._stream_kernels.get(key, False)
         if sk is False:
             sk = None
             entry = self.manifest["kernels"].get(spec.name) if self.stream_launch else None
@@ -249,7 +250,7 @@ class KernelLibrary:
 
                     sk = StreamKernel(spec.name, vmfb, plan.decode(), dependent_launch=self.dependent_launch,
                                       l2_evict_first=self.l2_evict_first and getattr(spec, "kv_read_once", False))
-            self._stream_kernels[spec.name] = sk
+            self._stream_kernels[key] = sk
         return sk
 
     @functools.cached_property
