@@ -14,6 +14,8 @@ after 63 decodes at 4K). Per layer (a step's time / 57, medians over steps):
   uniform decode from full CUDA graphs and mixed batches eagerly);
 - kernels_us: the device time of one eager step's kernels (builder, inserts, attends; CUPTI
   durations summed, taken last: CUPTI slows later graph replays).
+Last, the device memory the library and layers allocate in the steady state beyond the case's
+own tensors, with 1 and with 57 layers (library_memory_MB in the JSON).
 
 Each layer's cache is its own slice of one pool while 57 slices fit in --pool-gib; past that the
 slices are cycled (consecutive layers never share a block, so each finds its K/V in DRAM).
@@ -140,6 +142,24 @@ def add_kernel_sum(case: ServingCase, row: dict) -> None:
         row["graph_over_kernels"] = row["graph_us"] / row["kernels_us"]
 
 
+def library_memory_MB(build_dir, device, layers, launch) -> float:
+    """The device memory the library and the layers allocate in the steady state, beyond what
+    the case holds (caches, step inputs, the layers' outputs): allocated after three steps minus
+    allocated before the first, with a library of its own (its workspace is made on first use).
+    B=64 4K fp8 TP4."""
+    lib = KernelLibrary("cuda", build_dir, compile_missing=False, **launch)
+    case = ServingCase(lib, device, 64, 4096, 16, "fp8_e4m3fn", layers=layers)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    for _ in range(3):
+        case.layers_call(case.build())
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated(device) - before
+    del case, lib
+    torch.cuda.empty_cache()
+    return grown / 1e6
+
+
 # the table's measured columns: (row key, width, format)
 COLUMNS = [("build_us", 8, ".1f"), ("host_us", 7, ".1f"), ("eager_us", 8, ".1f"), ("graph_us", 8, ".1f"),
            ("kernels_us", 10, ".1f"), ("eager_over_graph", 11, ".2f"), ("graph_over_kernels", 10, ".2f")]
@@ -211,6 +231,15 @@ def main(argv=None):
         torch.cuda.empty_cache()
         save()
     print(format_table(rows))
+    memory = {n: library_memory_MB(a.build_dir, device, n, launch_options(a)) for n in (1, LAYERS)}
+    print(f"device memory the library allocates in the steady state (B=64 4K fp8): {memory[1]:.1f} MB with one "
+          f"layer, {memory[LAYERS]:.1f} MB with {LAYERS}")
+    if a.json:
+        with open(a.json) as f:
+            saved = json.load(f)
+        saved["library_memory_MB"] = {str(n): mb for n, mb in memory.items()}
+        with open(a.json, "w") as f:
+            json.dump(saved, f, indent=1)
     return 0
 
 

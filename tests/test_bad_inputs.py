@@ -66,6 +66,24 @@ def test_a_negative_block_id_inside_a_context_is_refused(host_kernels):
     decode_step(builder, [[5, 6, -1], [8, 9, 10]], [200, 300])  # past a context: padding, accepted
 
 
+@pytest.mark.parametrize("cols", [4096, 8192])  # 3 x 4096 ids: through a mask; 3 x 8192: by segments
+def test_a_long_block_table_is_checked_over_each_requests_columns_only(host_kernels, cols):
+    """The same rule on tables of 1M-token contexts: a negative id inside a context is refused,
+    one past it (or in a padded request's row) is padding; the step's largest id is the largest
+    used one."""
+    builder = MetadataBuilder(4, cols * 128, kernels=host_kernels)
+    bt = torch.arange(3 * cols, dtype=torch.int32).reshape(3, cols)
+    seq = [cols * 128, 1000, 129]                # all columns, 8 columns, 2 columns
+    bt[1, 8:], bt[2, 2:] = -1, 10 ** 7           # past the contexts: never read
+    md = decode_step(builder, bt.tolist(), seq)
+    assert md.max_block_id == 2 * cols + 1
+    for r, c in ((0, cols - 1), (1, 7), (2, 1)):
+        bad = bt.clone()
+        bad[r, c] = -3
+        with pytest.raises(IndexError, match=f"got -3 at request {r}, column {c} "):
+            decode_step(builder, bad.tolist(), seq)
+
+
 def test_a_block_id_past_the_cache_is_refused_by_the_layer(layer, host_kernels):
     """Without num_cache_blocks the builder cannot know the cache: the layer compares the step's
     largest block id (an int the builder found) with its cache, with no sync, before writing."""

