@@ -65,4 +65,7 @@ def gpu_test_specs():
     for matrix, kv in (("fma", "bf16"), ("mma", "bf16"), ("mma", "fp8_e4m3fn"), ("mfma", "bf16"),
                        ("mfma", "fp8_e4m3fnuz"), ("fma", "fp8_e4m3fn")):
         specs.append(GPU_PAGED_ATTEND[matrix, "cuda"](MsaConfig(kv_dtype=kv), 16))
+    from msa_iree.ops import IndexTopkSpec  # the portable indexer on the GPU (test_gpu's indexer test)
+    specs += [IndexTopkSpec(MsaConfig(num_kv_heads=2, kv_dtype="bf16")),
+              IndexTopkSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 1, 1)]
     return list({s.name: s for s in specs}.values())

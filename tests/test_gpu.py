@@ -954,3 +954,21 @@ def test_a_layer_attends_an_emitted_table_like_its_top_k_in_one_launch(cuda_kern
                                          r"order.*at row 2, group 0"):
         attn.forward(q, kc, vc, torch.empty_like(q), topk, md, ks, vs, sparse_block_table=swapped.to(dev),
                      sparse_context_lens=sctx.to(dev))
+
+
+@pytest.mark.parametrize("heads, cache_dtype, init, local", [(2, "bf16", 0, 1), (1, "fp8_e4m3fn", 1, 1)])
+def test_the_portable_indexer_on_the_gpu_is_the_reference(cuda_kernels, heads, cache_dtype, init, local):
+    """The indexer's scores and top-k (ops/indexer.py) compiled for CUDA: ids and order exactly
+    the reference's (block edges, a padded row, ties, a NaN score)."""
+    from msa_iree.ops import IndexTopkSpec
+    from test_indexer_kernel import case
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(heads * 10 + init)
+    args = case(gen, heads, DTYPES[cache_dtype])
+    want = R.index_topk(*args, init_blocks=init, local_blocks=local)
+    q, cache, table, req, pos = args
+    raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    spec = IndexTopkSpec(MsaConfig(num_kv_heads=heads, kv_dtype=cache_dtype), 16, init, local)
+    (got,) = cuda_kernels.run(spec, *[t.to(dev) for t in (q, raw, table, req, pos)], out_dtypes=[torch.int32])
+    assert torch.equal(got.cpu(), want)

@@ -44,7 +44,10 @@ PAGED_CUDA = [K.SparseAttnPagedMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16),
               K.SparseAttnPagedFmaSpec(MsaConfig(kv_dtype="bf16"), 16)]
 
 
-@pytest.mark.parametrize("spec", DECODE + INSERT + PAGED_CUDA, ids=lambda s: s.name)
+INDEXER = [K.IndexTopkSpec(MsaConfig(kv_dtype="bf16")), K.IndexTopkSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 1, 1)]
+
+
+@pytest.mark.parametrize("spec", DECODE + INSERT + PAGED_CUDA + INDEXER, ids=lambda s: s.name)
 def test_compiles_for_cuda(tmp_path, spec):
     manifest = C.build(None, ["cuda"], tmp_path, specs=[spec], log=lambda m: None)["cuda"]
     assert (manifest.parent / f"{spec.name}.vmfb").stat().st_size > 10_000
@@ -103,6 +106,13 @@ def test_gfx942_mfma_isa(tmp_path):
 
 PAGED = [K.SparseAttnPagedMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16),
          K.SparseAttnPagedMfmaSpec(MsaConfig(kv_dtype="bf16"), 16), K.SparseAttnPagedFmaSpec(MsaConfig(kv_dtype="bf16"), 16)]
+
+
+def test_the_portable_indexer_compiles_for_gfx942(tmp_path):
+    """The indexer's scores and top-k (ops/indexer.py, the portable formulation) for gfx942:
+    compiled, never run here."""
+    manifest = C.build(None, ["gfx942"], tmp_path, specs=INDEXER[:1], log=lambda m: None)["gfx942"]
+    assert (manifest.parent / f"{INDEXER[0].name}.vmfb").stat().st_size > 10_000
 
 
 def test_gfx942_paged_attend_isa(tmp_path):

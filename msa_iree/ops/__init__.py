@@ -1,6 +1,7 @@
 """The kernels: every MSA operation as a specialisation (a spec) that names one compiled module.
 
-- ops/portable.py: the PyTorch formulations (iree-turbine export), every target;
+- ops/portable.py: the PyTorch formulations (iree-turbine export), every target; ops/indexer.py
+  the indexer's scores and top-k, the same way (not yet in a deployment's kernel set);
 - ops/fma.py, ops/mma.py, ops/mfma.py: the hand-written GPU attend's three families (vector FMAs,
   CUDA tensor cores, gfx942 matrix cores), their shared part in ops/attend_gpu.py, their knobs in
   ops/tuning.py; ops/insert_gpu.py: the in-place GPU KV insert; the templates in ops/templates/.
@@ -13,6 +14,7 @@ from __future__ import annotations
 from ..config import MsaConfig
 from .attend_gpu import GpuAttendSpec
 from .fma import SparseAttnDecodeFmaSpec, SparseAttnPagedFmaSpec, SparseAttnPrefillFmaSpec
+from .indexer import IndexTopkSpec
 from .insert_gpu import InsertKvGpuSpec
 from .mfma import (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnDecodeMfmaSpec, SparseAttnPagedMfmaEmulatedSpec,
                    SparseAttnPagedMfmaSpec, SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPrefillMfmaSpec)
@@ -22,7 +24,7 @@ from .portable import (BuildDecodeTableSpec, BuildPrefillTableSpec, InsertKvSpec
 from .spec import KernelSpec, TemplateSpec
 
 PORTABLE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec, BuildDecodeTableSpec, BuildPrefillTableSpec,
-                  SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, InsertKvSpec)
+                  SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, InsertKvSpec, IndexTopkSpec)
 GPU_SPECS = (SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec,
              SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaSpec, SparseAttnDecodeMfmaEmulatedSpec,
              SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPagedFmaSpec, SparseAttnPagedMmaSpec, SparseAttnPagedMfmaSpec,

@@ -1,0 +1,132 @@
+"""The indexer's block scores and top-k as a portable kernel (iree-turbine export, every target):
+`reference.index_topk` for rows given by request and absolute position (decode and prefill
+alike), the top-16 chosen by sixteen rounds of max-then-smallest-id, so that ties go to the
+smaller block id as the reference's stable sort has it.
+
+What it computes for every (token, index head): the scores of all of the request's blocks in
+the index block table, [T, H, C] from a [T, C, 128, 128] key gather, so it is meant for the
+host and for tests: its memory grows with tokens x columns (a 32K-token row gathers 8 MiB of
+keys). The GPU indexer kernels are not written yet.
+
+Shapes: T tokens, H index heads, C index block-table columns, N index-cache blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import FP8_DTYPES
+from ..layout import BLOCK_SIZE, HEAD_DIM
+from .fp8 import decode_fp8, storage_dtype
+from .portable import _dims, flat_index2
+from .spec import ExportedSpec
+
+FORCED_INIT_SCORE, FORCED_LOCAL_SCORE, NAN_SCORE = 1e30, 1e29, -1e30  # as reference.index_topk
+
+
+def block_scores(index_q, keys, abs_pos):
+    """index_q [T, H, 128] f32; keys [T, C, 128, 128] f32 (block c's positions); abs_pos [T] int64
+    -> [T, H, C] f32: the max of dot(q, key p) over the block's positions p <= abs_pos (-inf: none)."""
+    s = torch.einsum("thd,tcpd->thcp", index_q, keys)
+    c = keys.shape[1]
+    position = torch.arange(c)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)[None, :]   # [C, 128]
+    seen = position[None, None] <= abs_pos[:, None, None, None]
+    return torch.where(seen, s, float("-inf")).amax(-1)
+
+
+def forced(scores, abs_pos, init_blocks, local_blocks):
+    """The candidates' scores with the forced blocks and NaN as the reference has them; -inf past
+    the candidates. Returns (scores [T, H, C], candidates [T] int64)."""
+    c = scores.shape[-1]
+    b = torch.arange(c)[None, :]
+    candidates = (torch.div(abs_pos.clamp(min=-1), BLOCK_SIZE, rounding_mode="floor") + 1).clamp(min=0)
+    visible = (b < candidates[:, None])[:, None, :]                                      # [T, 1, C]
+    scores = torch.where(torch.isnan(scores), NAN_SCORE, scores)
+    scores = torch.where(torch.logical_and(visible, (b < init_blocks)[:, None, :]), FORCED_INIT_SCORE, scores)
+    local = (b >= candidates[:, None] - local_blocks)[:, None, :]
+    scores = torch.where(torch.logical_and(visible, local), FORCED_LOCAL_SCORE, scores)
+    return torch.where(visible, scores, float("-inf")), candidates
+
+
+def top_blocks(scores, candidates, k):
+    """[T, H, C] scores -> [H, T, k] int32 block ids, highest first, ties to the smaller id;
+    min(k, candidates) of them, -1 after. A visible block of score -inf still ranks (last)."""
+    t, h, c = scores.shape
+    # block ids as f32 (exact below 2**24): CUDA's codegen fails to distribute an i64 min reduction
+    cols = torch.arange(c, dtype=torch.float32)[None, None, :]
+    available = torch.ones(t, h, c, dtype=torch.bool)
+    picks = []
+    for _ in range(k):
+        best = torch.where(available, scores, float("-inf")).amax(-1, keepdim=True)
+        at = torch.logical_and(available, scores == best)
+        pick = torch.where(at, cols, float("inf")).amin(-1)                               # [T, H]; inf: none
+        available = torch.logical_and(available, cols != pick[..., None])
+        picks.append(pick)
+    picked = torch.stack(picks, -1)                                                       # [T, H, k]
+    keep = (torch.arange(k)[None, :] < candidates.clamp(max=k)[:, None])[:, None, :]
+    keep = torch.logical_and(keep, picked < float("inf"))
+    return torch.where(keep, picked, -1.0).to(torch.int32).permute(1, 0, 2)
+
+
+class IndexTopk(torch.nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, index_q, index_cache, index_block_table, req_id, abs_pos):
+        """index_q [T, H, 128] bf16/fp16; index_cache [N, 128, 128] bf16 (or fp8 bytes);
+        index_block_table [R, C] int32; req_id, abs_pos [T] int32 -> topk [H, T, 16] int32."""
+        s = self.spec
+        table = index_block_table.to(torch.int64)
+        cols = torch.arange(table.shape[1])
+        req = req_id.to(torch.int64).clamp(0, table.shape[0] - 1)
+        blocks = flat_index2(table, req[:, None], cols[None, :]).clamp(0, index_cache.shape[0] - 1)   # [T, C]
+        keys = index_cache[blocks]                                                        # [T, C, 128, 128]
+        keys = decode_fp8(keys, s.cfg.kv_torch_dtype) if s.cfg.kv_torch_dtype in FP8_DTYPES else keys.float()
+        pos = abs_pos.to(torch.int64)
+        scores = block_scores(index_q.float(), keys, pos)
+        scores, candidates = forced(scores, pos, s.init_blocks, s.local_blocks)
+        return top_blocks(scores, candidates, s.cfg.topk)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexTopkSpec(ExportedSpec):
+    """The indexer's scores and top-k for rows given by request and position (cfg: num_kv_heads =
+    index heads per rank, kv_dtype = the index cache's dtype, bf16 or fp8_e4m3fn; query_dtype =
+    the index queries'); init_blocks / local_blocks: MiniMax-M3's sparse_init_block /
+    sparse_local_block."""
+
+    init_blocks: int = 0
+    local_blocks: int = 1
+
+    kernel = "index_topk"
+    INDEX_CACHE_DTYPES = ("bf16", "fp8_e4m3fn")
+
+    def __post_init__(self):
+        if self.cfg.kv_dtype not in self.INDEX_CACHE_DTYPES:
+            raise ValueError(f"kv_dtype: expected an index cache of {' or '.join(self.INDEX_CACHE_DTYPES)}, "
+                             f"got {self.cfg.kv_dtype}")
+        if self.init_blocks < 0 or self.local_blocks < 0:
+            raise ValueError(f"init_blocks, local_blocks: expected >= 0, got {self.init_blocks}, {self.local_blocks}")
+
+    @property
+    def variant(self):
+        c = self.cfg
+        return f"h{c.num_kv_heads}.{c.kv_dtype}.q{c.query_dtype}.k{c.topk}.init{self.init_blocks}.local{self.local_blocks}"
+
+    def module(self):
+        return IndexTopk(self)
+
+    def example_args(self):
+        c = self.cfg
+        cache = torch.zeros(4, BLOCK_SIZE, HEAD_DIM, dtype=storage_dtype(c.kv_torch_dtype))
+        z = torch.zeros(3, dtype=torch.int32)
+        return (torch.zeros(3, c.num_kv_heads, HEAD_DIM, dtype=c.query_torch_dtype), cache,
+                torch.zeros(2, 4, dtype=torch.int32), z, z.clone())
+
+    def dynamic_shapes(self):
+        d = _dims()
+        n = torch.export.Dim("index_blocks", min=2, max=2 ** 31 - 1)
+        return {"index_q": {0: d["T"]}, "index_cache": {0: n}, "index_block_table": {0: d["B"], 1: d["C"]},
+                "req_id": {0: d["T"]}, "abs_pos": {0: d["T"]}}
