@@ -85,6 +85,20 @@ def _check_compile_options(args):
         raise UsageError(f"--decode-query-lens: expected decode query lengths in 1..8, got {bad or 'none'}")
 
 
+def _indexer_specs(args, cfg) -> list:
+    """The indexer's kernels --index-cache-dtype asks for (none without it): its scores and top-k,
+    one index head per KV head a rank."""
+    if args.index_cache_dtype is None:
+        return []
+    from .ops import IndexTopkSpec
+
+    try:
+        return [IndexTopkSpec(cfg.replace(kv_dtype=args.index_cache_dtype), 16, args.index_init_blocks,
+                              args.index_local_blocks)]
+    except ValueError as e:
+        raise UsageError(f"--index-cache-dtype / --index-init-blocks / --index-local-blocks: {e}") from None
+
+
 def cmd_compile(args):
     from .compile import VERIFIED_ON, build, request_key, up_to_date
 
@@ -102,13 +116,20 @@ def cmd_compile(args):
         for kernel, why in unbuilt_attends(cfg, target).items():
             print(f"{target}: not building {kernel}: {why}; on {target} SparseAttention then serves this config "
                   "with the portable attend (much slower on a GPU)")
+        indexer = _indexer_specs(args, cfg)
         options = {k: v for k, v in vars(args).items() if k not in ("fn", "out", "target")}
         key = request_key(options, target)
         if not args.emit_mlir and up_to_date(out, key):
             print(f"{target}: {out}/manifest.json up to date ({VERIFIED_ON[target]})")
             continue
-        manifest = build(cfg, [target], out, strides=[LAYOUT_STRIDES[lay] for lay in args.layouts],
-                         decode_query_lens=args.decode_query_lens, emit_mlir=args.emit_mlir, request_key=key)[target]
+        strides = [LAYOUT_STRIDES[lay] for lay in args.layouts]
+        extra = {}
+        if indexer:
+            from .ops import kernel_set
+
+            extra["specs"] = kernel_set(cfg, strides, args.decode_query_lens, target) + indexer
+        manifest = build(cfg, [target], out, strides=strides, decode_query_lens=args.decode_query_lens,
+                         emit_mlir=args.emit_mlir, request_key=key, **extra)[target]
         print(f"{target}: {manifest} ({VERIFIED_ON[target]})")
     print(f"done in {time.perf_counter() - t0:.1f} s")
 
@@ -186,6 +207,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--layouts", type=_csv(str, "layouts"), default=None,
                    help="cache layouts: interleaved (LBHNC, stride 16), planes (LHBNC, stride 8); default both "
                         "(for a vLLM configuration: interleaved, where vLLM's page-16 path lands for MiniMax-M3)")
+    c.add_argument("--index-cache-dtype", default=None,
+                   help="also build the indexer's scores and top-k (the portable kernel) for an index cache of "
+                        "bf16 or fp8_e4m3fn (vLLM's indexer_kv_dtype; MI300X serves bf16); default: none")
+    c.add_argument("--index-init-blocks", type=int, default=0, help="the indexer's forced first blocks "
+                   "(MiniMax-M3's sparse_init_block, default 0)")
+    c.add_argument("--index-local-blocks", type=int, default=1, help="the indexer's forced last blocks "
+                   "(sparse_local_block, default 1: the token's own)")
     c.add_argument("--out", help="output directory (default build/<target>)")
     c.add_argument("--emit-mlir", action="store_true", help="keep each kernel's MLIR under <out>/mlir")
     v = c.add_argument_group("a vLLM configuration of MiniMax-M3 (instead of the options above: exactly its kernels)")

@@ -153,3 +153,25 @@ def test_compile_builds_the_kernel_set_of_a_vllm_configuration(monkeypatch, tmp_
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.kv_dtype) == (heads, kv_heads, kv)
     assert seen["strides"] == [16] and seen["lens"] == lens
     assert main(["compile", "--target", "gfx942", "--num-heads", "16"] + argv) == 2  # heads come from the TP size
+
+
+def test_compile_adds_the_indexer_kernel_when_asked(monkeypatch, tmp_path):
+    """--index-cache-dtype adds the indexer's scores and top-k to the kernel set (one index head
+    per KV head a rank, the forced blocks as given); without it nothing of the indexer is built;
+    a dtype it cannot build is a one-line error."""
+    seen = {}
+
+    def fake_build(cfg, targets, out, strides, decode_query_lens, specs=None, **kw):
+        seen.update(specs=specs, cfg=cfg, strides=strides, lens=decode_query_lens)
+        return {targets[0]: tmp_path / "manifest.json"}
+
+    monkeypatch.setattr(C, "build", fake_build)
+    argv = ["compile", "--target", "host", "--num-kv-heads", "2", "--num-heads", "32", "--out", str(tmp_path)]
+    assert main(argv) == 0 and seen["specs"] is None
+    assert main(argv + ["--index-cache-dtype", "fp8_e4m3fn", "--index-init-blocks", "1"]) == 0
+    indexer = [s for s in seen["specs"] if isinstance(s, K.IndexTopkSpec)]
+    assert [(s.cfg.num_kv_heads, s.cfg.kv_dtype, s.init_blocks, s.local_blocks) for s in indexer] == \
+        [(2, "fp8_e4m3fn", 1, 1)]
+    rest = [s.name for s in seen["specs"] if not isinstance(s, K.IndexTopkSpec)]
+    assert rest == [s.name for s in K.kernel_set(seen["cfg"], seen["strides"], seen["lens"], "host")]
+    assert main(argv + ["--index-cache-dtype", "fp16"]) == 2

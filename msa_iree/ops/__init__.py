@@ -1,7 +1,8 @@
 """The kernels: every MSA operation as a specialisation (a spec) that names one compiled module.
 
 - ops/portable.py: the PyTorch formulations (iree-turbine export), every target; ops/indexer.py
-  the indexer's scores and top-k, the same way (not yet in a deployment's kernel set);
+  the indexer's scores and top-k, the same way (built when `msa-iree compile` is given an index
+  cache dtype);
 - ops/fma.py, ops/mma.py, ops/mfma.py: the hand-written GPU attend's three families (vector FMAs,
   CUDA tensor cores, gfx942 matrix cores), their shared part in ops/attend_gpu.py, their knobs in
   ops/tuning.py; ops/insert_gpu.py: the in-place GPU KV insert; the templates in ops/templates/.

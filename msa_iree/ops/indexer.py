@@ -6,7 +6,8 @@ smaller block id as the reference's stable sort has it.
 What it computes for every (token, index head): the scores of all of the request's blocks in
 the index block table, [T, H, C] from a [T, C, 128, 128] key gather, so it is meant for the
 host and for tests: its memory grows with tokens x columns (a 32K-token row gathers 8 MiB of
-keys). The GPU indexer kernels are not written yet.
+keys), and IREE splits it into 54 dispatches on gfx942. The GPU indexer kernels are not written
+yet.
 
 Shapes: T tokens, H index heads, C index block-table columns, N index-cache blocks.
 """
