@@ -70,3 +70,75 @@ def test_the_spec_refuses_what_it_cannot_build():
     with pytest.raises(ValueError, match="init_blocks, local_blocks: expected >= 0, got -1, 1"):
         IndexTopkSpec(MsaConfig(), 16, -1)
     assert IndexTopkSpec(MsaConfig(), 16, 1, 1).name != IndexTopkSpec(MsaConfig(), 16, 0, 1).name
+
+
+def test_a_whole_sparse_layer_runs_as_the_reference(host_kernels):
+    """One layer over two steps (two chunked prefills, then a decode of both requests), every part
+    compiled: index keys into the index cache (its own block table and slots), the indexer's
+    top-k, the K/V insert, the attend over that top-k; each against the reference (caches and
+    top-k exactly, the output within the attend's tolerance)."""
+    from msa_iree.layout import allocate_kv_cache
+    from msa_iree.runtime import Indexer, MetadataBuilder, SparseAttention
+    from tolerances import assert_attend_close
+
+    gen = torch.Generator().manual_seed(77)
+    index_cache = torch.zeros(16, 128, 128, dtype=BF16)
+    ref_index = index_cache.clone()
+    kc, vc = allocate_kv_cache(16, 1, BF16, "interleaved", fill=0)
+    ref_kc, ref_vc = allocate_kv_cache(16, 1, BF16, "interleaved", fill=0)
+    index_bt = torch.tensor([[3, 7, 1, 9], [2, 5, 11, 4]], dtype=torch.int32)  # the index group's blocks
+    kv_bt = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)     # the attention group's
+    scale = 128 ** -0.5
+    attn = SparseAttention(16, 1, 128, scale, BF16, kernels=host_kernels)
+    indexer = Indexer(1, BF16, kernels=host_kernels)
+    kv_builder, index_builder = (MetadataBuilder(4, 512, num_cache_blocks=16, kernels=host_kernels) for _ in range(2))
+    computed = torch.tensor([0, 0], dtype=torch.int32)
+    for qlens, num_decodes in (([200, 130], 0), ([1, 1], 2)):
+        q_lens = torch.tensor(qlens, dtype=torch.int32)
+        qsl = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()])
+        seq = computed + q_lens
+        req = torch.repeat_interleave(torch.arange(2, dtype=torch.int32), q_lens)
+        pos = torch.cat([torch.arange(int(c), int(s)) for c, s in zip(computed, seq)]).int()
+        slots = lambda bt: (bt.long()[req.long(), pos.long() // 128] * 128 + pos.long() % 128).int()
+        kv_md = kv_builder.build(kv_bt, seq, qsl, computed, 1, num_decodes, slot_mapping=slots(kv_bt))
+        index_md = index_builder.build(index_bt, seq, qsl, computed, 1, num_decodes, slot_mapping=slots(index_bt))
+        n = int(qsl[-1])
+        index_k = torch.randn(n, 128, generator=gen).to(BF16)
+        index_q = torch.randn(n, 1, 128, generator=gen).to(BF16)
+        key, value = (torch.randn(n, 1, 128, generator=gen).to(BF16) for _ in range(2))
+        q = torch.randn(n, 16, 128, generator=gen).to(BF16)
+
+        indexer.insert(index_k, index_cache, index_md)
+        R.insert_index_cache(index_k, ref_index, slots(index_bt))
+        assert torch.equal(index_cache, ref_index)
+        topk = indexer.topk(index_q, index_cache, index_md)
+        assert torch.equal(topk, R.index_topk(index_q, ref_index, index_bt, req, pos))
+        attn.insert_kv(key, value, kc, vc, kv_md)
+        R.insert_kv(key, value, ref_kc, ref_vc, slots(kv_bt))
+        assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+        out = attn.forward(q, kc, vc, torch.full_like(q, float("nan")), topk, kv_md)
+        ref = torch.empty_like(q)
+        R.sparse_attn_prefill(q, ref_kc, ref_vc, topk, kv_bt, req, pos, 1, scale, ref)
+        assert_attend_close(out, ref, f"step of {qlens}")
+        computed = seq
+
+
+def test_the_indexer_refuses_bad_calls_by_name(host_kernels):
+    from msa_iree.runtime import Indexer, MetadataBuilder
+
+    with pytest.raises(ValueError, match="kv_dtype: expected an index cache of bf16 or fp8_e4m3fn, got fp16"):
+        Indexer(1, torch.float16, kernels=host_kernels)
+    indexer = Indexer(1, BF16, kernels=host_kernels)
+    md = MetadataBuilder(2, 512, kernels=host_kernels).build(
+        torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([129], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([128], dtype=torch.int32), 1, 1,
+        slot_mapping=torch.tensor([300], dtype=torch.int32))
+    cache = torch.zeros(2, 128, 128, dtype=BF16)
+    with pytest.raises(ValueError, match="index_cache: expected torch.bfloat16"):
+        indexer.topk(torch.zeros(1, 1, 128, dtype=BF16), cache.float(), md)
+    with pytest.raises(ValueError, match=r"index_q: expected shape \[\*, 1, 128\]"):
+        indexer.topk(torch.zeros(1, 2, 128, dtype=BF16), cache, md)
+    with pytest.raises(IndexError, match="slot_mapping: expected slots below index_cache's 256 tokens, got 300"):
+        indexer.insert(torch.zeros(1, 128, dtype=BF16), cache, md)
+    with pytest.raises(TypeError, match="metadata: expected the index group's MsaMetadata"):
+        indexer.topk(torch.zeros(1, 1, 128, dtype=BF16), cache, None)

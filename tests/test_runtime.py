@@ -226,7 +226,7 @@ def test_a_step_of_the_same_shape_lands_at_the_same_addresses():
         p = md.prefill
         return [md.decode.block_table, md.decode.seq_lens, md.decode.page16_block_table, md.slot_mapping,
                 md.page16_slot_mapping, p.block_table, p.page16_block_table, p.cu_seqlens_q, p.context_lens,
-                p.query_req_id, p.query_abs_pos]
+                p.query_req_id, p.query_abs_pos, md.token_req_id, md.token_abs_pos]
 
     one = step(0, 100)
     addresses = [t.data_ptr() for t in tensors(one)]
@@ -239,6 +239,9 @@ def test_a_step_of_the_same_shape_lands_at_the_same_addresses():
     assert two.prefill.query_abs_pos.tolist() == [200, 201, 202, 203, 204]
     assert two.prefill.context_lens.tolist() == [200] and two.prefill.cu_seqlens_q.tolist() == [0, 5]
     assert two.prefill.query_req_id.tolist() == [0] * 5
+    # every token's request in the step and position: two decodes, then the prefill's five
+    assert two.token_req_id.tolist() == [0, 1, 2, 2, 2, 2, 2]
+    assert two.token_abs_pos.tolist() == [299, 128, 200, 201, 202, 203, 204]
 
 
 def test_on_demand_compilation_says_so_only_when_it_compiles(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..config import MsaConfig
 from .attend_gpu import GpuAttendSpec
 from .fma import SparseAttnDecodeFmaSpec, SparseAttnPagedFmaSpec, SparseAttnPrefillFmaSpec
-from .indexer import IndexTopkSpec
+from .indexer import IndexCacheInsertSpec, IndexTopkSpec
 from .insert_gpu import InsertKvGpuSpec
 from .mfma import (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnDecodeMfmaSpec, SparseAttnPagedMfmaEmulatedSpec,
                    SparseAttnPagedMfmaSpec, SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPrefillMfmaSpec)
@@ -25,7 +25,8 @@ from .portable import (BuildDecodeTableSpec, BuildPrefillTableSpec, InsertKvSpec
 from .spec import KernelSpec, TemplateSpec
 
 PORTABLE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec, BuildDecodeTableSpec, BuildPrefillTableSpec,
-                  SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, InsertKvSpec, IndexTopkSpec)
+                  SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, InsertKvSpec, IndexTopkSpec,
+                  IndexCacheInsertSpec)
 GPU_SPECS = (SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec,
              SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaSpec, SparseAttnDecodeMfmaEmulatedSpec,
              SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPagedFmaSpec, SparseAttnPagedMmaSpec, SparseAttnPagedMfmaSpec,

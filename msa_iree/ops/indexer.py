@@ -1,4 +1,5 @@
-"""The indexer's block scores and top-k as a portable kernel (iree-turbine export, every target):
+"""The indexer's kernels, portable (iree-turbine export, every target): the index-cache insert,
+and the block scores and top-k:
 `reference.index_topk` for rows given by request and absolute position (decode and prefill
 alike), the top-16 chosen by sixteen rounds of max-then-smallest-id, so that ties go to the
 smaller block id as the reference's stable sort has it.
@@ -19,7 +20,7 @@ import torch
 
 from ..config import FP8_DTYPES
 from ..layout import BLOCK_SIZE, HEAD_DIM
-from .fp8 import decode_fp8, storage_dtype
+from .fp8 import decode_fp8, encode_fp8, storage_dtype
 from .portable import _dims, flat_index2
 from .spec import ExportedSpec
 
@@ -131,3 +132,53 @@ class IndexTopkSpec(ExportedSpec):
         n = torch.export.Dim("index_blocks", min=2, max=2 ** 31 - 1)
         return {"index_q": {0: d["T"]}, "index_cache": {0: n}, "index_block_table": {0: d["B"], 1: d["C"]},
                 "req_id": {0: d["T"]}, "abs_pos": {0: d["T"]}}
+
+
+class IndexCacheInsert(torch.nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, index_cache, index_k, token_index, slot_mapping):
+        """index_cache [N, 128, 128] (storage dtype), returned updated; index_k [T, 128] 16-bit;
+        token_index [M] int32 rows of index_k to write at slot_mapping [M] (>= 0: the runtime
+        drops padding first, as for the KV insert)."""
+        rows = token_index.to(torch.int64).clamp(0, index_k.shape[0] - 1)
+        slots = slot_mapping.to(torch.int64).clamp(0, index_cache.shape[0] * BLOCK_SIZE - 1)
+        values = index_k[rows]
+        kv_dtype = self.spec.cfg.kv_torch_dtype
+        values = encode_fp8(values.float(), kv_dtype) if kv_dtype in FP8_DTYPES else values.to(index_cache.dtype)
+        at = (slots[:, None] * HEAD_DIM + torch.arange(HEAD_DIM)[None, :]).reshape(-1)
+        return torch.scatter(index_cache.reshape(-1), 0, at, values.reshape(-1)).reshape(index_cache.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexCacheInsertSpec(ExportedSpec):
+    """The index-cache insert (reference.insert_index_cache: cast with no scale; cfg.kv_dtype =
+    the index cache's dtype, query_dtype = the index keys')."""
+
+    kernel = "insert_index_cache"
+
+    def __post_init__(self):
+        if self.cfg.kv_dtype not in IndexTopkSpec.INDEX_CACHE_DTYPES:
+            raise ValueError(f"kv_dtype: expected an index cache of {' or '.join(IndexTopkSpec.INDEX_CACHE_DTYPES)}, "
+                             f"got {self.cfg.kv_dtype}")
+
+    @property
+    def variant(self):
+        return f"{self.cfg.kv_dtype}.q{self.cfg.query_dtype}"
+
+    def module(self):
+        return IndexCacheInsert(self)
+
+    def example_args(self):
+        c = self.cfg
+        cache = torch.zeros(4, BLOCK_SIZE, HEAD_DIM, dtype=storage_dtype(c.kv_torch_dtype))
+        z = torch.zeros(2, dtype=torch.int32)
+        return (cache, torch.zeros(3, HEAD_DIM, dtype=c.query_torch_dtype), z, z.clone())
+
+    def dynamic_shapes(self):
+        d = _dims()
+        n = torch.export.Dim("index_blocks", min=2, max=2 ** 31 - 1)
+        m = torch.export.Dim("written", min=1, max=2 ** 20)
+        return {"index_cache": {0: n}, "index_k": {0: d["N"]}, "token_index": {0: m}, "slot_mapping": {0: m}}

@@ -59,6 +59,9 @@ class MsaMetadata:
     page16_slot_mapping: torch.Tensor  # [num_actual_tokens] int32 the slots rebased for an interleaved cache
     insert_token_index: torch.Tensor   # [M] int32 rows of key/value the insert writes ...
     insert_slots: torch.Tensor         # [M] int32 ... at these slots (the GPU writer: every token, < 0 skipped)
+    block_table: torch.Tensor          # [reqs, cols] int32 the step's block table as given (all requests)
+    token_req_id: torch.Tensor         # [num_actual_tokens] int32 each token's request in the step (decode first)
+    token_abs_pos: torch.Tensor        # [num_actual_tokens] int32 ... and its position (< 0: a padded request's)
     max_block_id: int                  # the largest cache block id the step's requests reference (-1: none)
     max_slot: int                      # the largest slot the step writes (-1: none)
     # where and how big the step's tensors are: two steps with one key have their tensors at the
@@ -120,24 +123,28 @@ class _StepLayout:
 
     The input buffer holds the step's inputs as given, [qsl | seq_lens | computed | block table |
     slots]; the derived buffer what the builder works out on the host, [page-16 block table |
-    page-16 slots | slots | cu_seqlens_q | context_lens | query_req_id | query_abs_pos | the
-    portable insert's rows].
+    page-16 slots | slots | cu_seqlens_q | context_lens | query_req_id | query_abs_pos | every
+    token's request | every token's position | the portable insert's rows].
     """
 
     def __init__(self, builder, shape):
         b, cols, n_slots, n, nd, L = shape
         num_prefills, n_prefill = b - nd, n - nd * L
-        sizes = [b * cols, n, n] + ([num_prefills + 1, num_prefills, n_prefill, n_prefill] if num_prefills else [])
+        sizes = [b * cols, n, n] + ([num_prefills + 1, num_prefills, n_prefill, n_prefill] if num_prefills else []) \
+            + [n, n]
         self.n_derived = sum(sizes)
         self.derived, self.host_derived = builder._derived[:self.n_derived], builder._host_derived[:self.n_derived]
         views = torch.split(self.derived, sizes)
-        page16, self.page16_slots, self.slots, self.prefill_views = views[0].view(b, cols), views[1], views[2], views[3:]
+        page16, self.page16_slots, self.slots = views[0].view(b, cols), views[1], views[2]
+        self.prefill_views, (self.token_req_id, self.token_abs_pos) = views[3:-2], views[-2:]
         seq_lens = builder._inputs[b + 1:2 * b + 1]
         block_table = builder._inputs[3 * b + 1:3 * b + 1 + b * cols].view(b, cols)
+        self.block_table = block_table
         self.decode = (block_table[:nd], seq_lens[:nd], page16[:nd]) if nd else None
         self.prefill = (block_table[nd:], seq_lens[nd:], page16[nd:]) if num_prefills else None
         self.token_index = builder._token_index[:n]
-        step = (block_table, seq_lens, page16, self.slots, self.token_index, *self.prefill_views)
+        step = (block_table, seq_lens, page16, self.slots, self.token_index, *self.prefill_views,
+                self.token_req_id, self.token_abs_pos)
         self.key = (shape, *((t.data_ptr(), tuple(t.shape)) for t in step))
 
 
@@ -200,7 +207,7 @@ class MetadataBuilder:
     def _allocate_derived(self, tokens):
         self.max_tokens = tokens
         # vLLM's page-16 table (at most [max_num_seqs, cdiv(max_model_len, 128)]), then the per-token values
-        self._derived, self._host_derived = self._buffer(self.max_num_seqs * (self.max_cols + 2) + 1 + 6 * tokens)
+        self._derived, self._host_derived = self._buffer(self.max_num_seqs * (self.max_cols + 2) + 1 + 8 * tokens)
         self._token_index = torch.arange(tokens, dtype=torch.int32, device=self.device)
         self._layouts.clear()
 
@@ -365,7 +372,8 @@ class MetadataBuilder:
         max_block, max_slot = self._check_ids(host_bt, seq, host_slots)
 
         layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
-        count = self._derive(layout, host_bt, host_slots, qlens[num_decodes:], computed[num_decodes:])
+        count = self._derive(layout, host_bt, host_slots, qlens[num_decodes:], computed[num_decodes:],
+                             seq[:num_decodes], decode_query_len)
         if self.gpu_writer:
             token_index, insert_slots = layout.token_index, layout.slots  # the GPU writer skips slots < 0
         else:  # the portable writer takes the written tokens only, after the layout's derived values
@@ -386,13 +394,15 @@ class MetadataBuilder:
             cu, ctx, query_req_id, query_abs_pos = layout.prefill_views
             prefill = PrefillMetadata(bt, cu, seqs, ctx, query_req_id, query_abs_pos, page16)
         return MsaMetadata(n, num_decodes, num_decode_tokens, b - num_decodes, n - num_decode_tokens, decode, prefill,
-                           layout.slots, layout.page16_slots, token_index, insert_slots, max_block, max_slot,
-                           layout.key)
+                           layout.slots, layout.page16_slots, token_index, insert_slots, layout.block_table,
+                           layout.token_req_id, layout.token_abs_pos, max_block, max_slot, layout.key)
 
-    def _derive(self, layout, block_table, slots, qlens, computed) -> int:
+    def _derive(self, layout, block_table, slots, qlens, computed, decode_seq, L) -> int:
         """Write the derived values into the host side of the derived buffer (once the last
-        step's copy of it has left): the page-16 block table and slots, the slots, and for
-        prefills cu_seqlens_q, context_lens, query_req_id and query_abs_pos. Returns their count."""
+        step's copy of it has left): the page-16 block table and slots, the slots, for prefills
+        cu_seqlens_q, context_lens, query_req_id and query_abs_pos, and every token's request and
+        position (decode rows: seq_len - L + t % L, reference.decode_token_positions; a padded
+        request's are below 0). Returns their count."""
         if self._copy_stream is not None and self._copy_stream != self._raw_stream():
             torch.cuda.synchronize(self.device)  # the last copy back went on another stream: let it finish
         out = layout.host_derived.numpy()
@@ -401,17 +411,24 @@ class MetadataBuilder:
         # reference.rebase_slots_to_page16: slot + its block's first slot (block * 128), < 0 kept
         out[m:m + n] = slots + (np.maximum(slots, 0) & -BLOCK_SIZE)
         out[m + n:m + 2 * n] = slots
+        nd = decode_seq.shape[0] * L
+        lo = layout.n_derived - 2 * n  # every token's request, then its position
+        t = np.arange(nd)
+        out[lo:lo + nd] = t // L
+        out[lo + n:lo + n + nd] = decode_seq[t // L] - L + t % L
         if qlens.size:
-            p, lo = qlens.shape[0], m + 2 * n
-            cu = out[lo:lo + p + 1]
+            p, at = qlens.shape[0], m + 2 * n
+            cu = out[at:at + p + 1]
             cu[0] = 0
             np.cumsum(qlens, out=cu[1:])
-            out[lo + p + 1:lo + 2 * p + 1] = computed
+            out[at + p + 1:at + 2 * p + 1] = computed
             req = np.repeat(np.arange(p), qlens)  # reference.query_token_positions
             n_prefill = req.shape[0]
-            lo += 2 * p + 1
-            out[lo:lo + n_prefill] = req
-            out[lo + n_prefill:lo + 2 * n_prefill] = computed[req] + np.arange(n_prefill) - cu[req]
+            at += 2 * p + 1
+            out[at:at + n_prefill] = req
+            out[at + n_prefill:at + 2 * n_prefill] = computed[req] + np.arange(n_prefill) - cu[req]
+            out[lo + nd:lo + n] = req + decode_seq.shape[0]
+            out[lo + n + nd:lo + 2 * n] = out[at + n_prefill:at + 2 * n_prefill]
         return layout.n_derived
 
     def _copy_back(self, layout, count):
