@@ -75,8 +75,9 @@ def test_the_spec_refuses_what_it_cannot_build():
 def test_a_whole_sparse_layer_runs_as_the_reference(host_kernels):
     """One layer over two steps (two chunked prefills, then a decode of both requests), every part
     compiled: index keys into the index cache (its own block table and slots), the indexer's
-    top-k, the K/V insert, the attend over that top-k; each against the reference (caches and
-    top-k exactly, the output within the attend's tolerance)."""
+    top-k, the K/V insert, the attend over that top-k, and over the page table the indexer emits
+    for it; each against the reference (caches, top-k and table exactly, the outputs within the
+    attend's tolerance)."""
     from msa_iree.layout import allocate_kv_cache
     from msa_iree.runtime import Indexer, MetadataBuilder, SparseAttention
     from tolerances import assert_attend_close
@@ -120,6 +121,13 @@ def test_a_whole_sparse_layer_runs_as_the_reference(host_kernels):
         ref = torch.empty_like(q)
         R.sparse_attn_prefill(q, ref_kc, ref_vc, topk, kv_bt, req, pos, 1, scale, ref)
         assert_attend_close(out, ref, f"step of {qlens}")
+        # the attend's page table emitted for that top-k: the builder's table, and the same output
+        sbt, sctx = indexer.emit_table(topk, kv_md)
+        want_bt, want_ctx = R.build_sparse_block_table_prefill(topk, kv_bt, req, pos, 16)
+        assert torch.equal(sbt, want_bt) and torch.equal(sctx, want_ctx)
+        by_table = attn.forward(q, kc, vc, torch.full_like(q, float("nan")), topk, kv_md,
+                                sparse_block_table=sbt, sparse_context_lens=sctx)
+        assert_attend_close(by_table, ref, f"step of {qlens}, emitted table")
         computed = seq
 
 

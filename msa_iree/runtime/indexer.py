@@ -16,7 +16,8 @@ import torch
 from .. import checks
 from ..config import MsaConfig, dtype_name
 from ..layout import BLOCK_SIZE, HEAD_DIM
-from ..ops import IndexCacheInsertSpec, IndexTopkSpec
+from ..layout import PAGES_PER_BLOCK
+from ..ops import BuildPrefillTableSpec, IndexCacheInsertSpec, IndexTopkSpec
 from ..ops.fp8 import storage_dtype
 from .library import KernelLibrary
 from .metadata import MsaMetadata
@@ -33,6 +34,9 @@ class Indexer:
                              query_dtype=dtype_name(query_dtype))
         self.topk_spec = IndexTopkSpec(self.cfg, 16, init_blocks, local_blocks)  # refuses what it cannot build
         self.insert_spec = IndexCacheInsertSpec(self.cfg)
+        # the attend's page table for a top-k, through the attention group's block table (page-16
+        # rebase: both K/V sides in one 16-page block)
+        self.table_spec = BuildPrefillTableSpec(self.cfg, 2 * PAGES_PER_BLOCK)
         self.kernels = kernels or KernelLibrary(target, build_dir)
 
     def _check_cache(self, index_cache, metadata):
@@ -76,3 +80,20 @@ class Indexer:
         (topk,) = self.kernels.run(self.topk_spec, index_q[:n], raw, metadata.block_table, metadata.token_req_id,
                                    metadata.token_abs_pos, out_dtypes=[torch.int32])
         return topk
+
+    def emit_table(self, topk, attend_metadata: MsaMetadata):
+        """The attend's page table for `topk` (what SparseAttention.forward takes as
+        sparse_block_table / sparse_context_lens, so that it builds none): [tokens * H, 128] and
+        [tokens * H] int32, through the *attention* group's metadata (its block table, every
+        token's request and position), as reference.build_sparse_block_table_prefill."""
+        if not isinstance(attend_metadata, MsaMetadata):
+            raise TypeError(f"attend_metadata: expected the attention group's MsaMetadata, "
+                            f"got {type(attend_metadata).__name__}")
+        n, h = attend_metadata.num_actual_tokens, self.cfg.num_kv_heads
+        checks.check_topk(topk, h, None, self.cfg.topk)
+        if topk.shape[1] < n:
+            raise ValueError(f"topk: expected at least num_actual_tokens={n} rows, got {topk.shape[1]}")
+        md = attend_metadata
+        bt, ctx = self.kernels.run(self.table_spec, topk[:, :n], md.block_table, md.token_req_id, md.token_abs_pos,
+                                   out_dtypes=[torch.int32, torch.int32])
+        return bt.reshape(n * h, -1), ctx.reshape(n * h)
