@@ -25,6 +25,19 @@ from .portable import _dims, flat_index2
 from .spec import ExportedSpec
 
 FORCED_INIT_SCORE, FORCED_LOCAL_SCORE, NAN_SCORE = 1e30, 1e29, -1e30  # as reference.index_topk
+INDEX_CACHE_DTYPES = ("bf16", "fp8_e4m3fn")
+
+
+def check_index_cache_dtype(cfg):
+    """cfg.kv_dtype is the index cache's: refuse what the indexer kernels cannot read."""
+    if cfg.kv_dtype not in INDEX_CACHE_DTYPES:
+        raise ValueError(f"kv_dtype: expected an index cache of {' or '.join(INDEX_CACHE_DTYPES)}, got {cfg.kv_dtype}")
+
+
+def example_index_cache(cfg):
+    """An export example of the index cache [N, 128, 128] (storage dtype) and its dynamic block count."""
+    cache = torch.zeros(4, BLOCK_SIZE, HEAD_DIM, dtype=storage_dtype(cfg.kv_torch_dtype))
+    return cache, torch.export.Dim("index_blocks", min=2, max=2 ** 31 - 1)
 
 
 def block_scores(index_q, keys, abs_pos):
@@ -103,12 +116,9 @@ class IndexTopkSpec(ExportedSpec):
     local_blocks: int = 1
 
     kernel = "index_topk"
-    INDEX_CACHE_DTYPES = ("bf16", "fp8_e4m3fn")
 
     def __post_init__(self):
-        if self.cfg.kv_dtype not in self.INDEX_CACHE_DTYPES:
-            raise ValueError(f"kv_dtype: expected an index cache of {' or '.join(self.INDEX_CACHE_DTYPES)}, "
-                             f"got {self.cfg.kv_dtype}")
+        check_index_cache_dtype(self.cfg)
         if self.init_blocks < 0 or self.local_blocks < 0:
             raise ValueError(f"init_blocks, local_blocks: expected >= 0, got {self.init_blocks}, {self.local_blocks}")
 
@@ -122,15 +132,13 @@ class IndexTopkSpec(ExportedSpec):
 
     def example_args(self):
         c = self.cfg
-        cache = torch.zeros(4, BLOCK_SIZE, HEAD_DIM, dtype=storage_dtype(c.kv_torch_dtype))
         z = torch.zeros(3, dtype=torch.int32)
-        return (torch.zeros(3, c.num_kv_heads, HEAD_DIM, dtype=c.query_torch_dtype), cache,
+        return (torch.zeros(3, c.num_kv_heads, HEAD_DIM, dtype=c.query_torch_dtype), example_index_cache(c)[0],
                 torch.zeros(2, 4, dtype=torch.int32), z, z.clone())
 
     def dynamic_shapes(self):
         d = _dims()
-        n = torch.export.Dim("index_blocks", min=2, max=2 ** 31 - 1)
-        return {"index_q": {0: d["T"]}, "index_cache": {0: n}, "index_block_table": {0: d["B"], 1: d["C"]},
+        return {"index_q": {0: d["T"]}, "index_cache": {0: example_index_cache(self.cfg)[1]}, "index_block_table": {0: d["B"], 1: d["C"]},
                 "req_id": {0: d["T"]}, "abs_pos": {0: d["T"]}}
 
 
@@ -160,9 +168,7 @@ class IndexCacheInsertSpec(ExportedSpec):
     kernel = "insert_index_cache"
 
     def __post_init__(self):
-        if self.cfg.kv_dtype not in IndexTopkSpec.INDEX_CACHE_DTYPES:
-            raise ValueError(f"kv_dtype: expected an index cache of {' or '.join(IndexTopkSpec.INDEX_CACHE_DTYPES)}, "
-                             f"got {self.cfg.kv_dtype}")
+        check_index_cache_dtype(self.cfg)
 
     @property
     def variant(self):
@@ -172,13 +178,11 @@ class IndexCacheInsertSpec(ExportedSpec):
         return IndexCacheInsert(self)
 
     def example_args(self):
-        c = self.cfg
-        cache = torch.zeros(4, BLOCK_SIZE, HEAD_DIM, dtype=storage_dtype(c.kv_torch_dtype))
         z = torch.zeros(2, dtype=torch.int32)
-        return (cache, torch.zeros(3, HEAD_DIM, dtype=c.query_torch_dtype), z, z.clone())
+        return (example_index_cache(self.cfg)[0], torch.zeros(3, HEAD_DIM, dtype=self.cfg.query_torch_dtype), z,
+                z.clone())
 
     def dynamic_shapes(self):
         d = _dims()
-        n = torch.export.Dim("index_blocks", min=2, max=2 ** 31 - 1)
         m = torch.export.Dim("written", min=1, max=2 ** 20)
-        return {"index_cache": {0: n}, "index_k": {0: d["N"]}, "token_index": {0: m}, "slot_mapping": {0: m}}
+        return {"index_cache": {0: example_index_cache(self.cfg)[1]}, "index_k": {0: d["N"]}, "token_index": {0: m}, "slot_mapping": {0: m}}
