@@ -71,7 +71,7 @@ class SparseAttention:
         self._layer_key = None
         self._decode_launch = None  # _DecodeLaunch: the last decode-only step's bound attend (stream launch)
         self._insert_launch = None  # _InsertLaunch: this layer's bound KV insert (stream launch)
-        self._specs = {}  # (kernel class, decode L, stride) -> spec: built once, not per call
+        self._specs = {}  # (kernel class, stride, decode L, read_once) -> spec: built once, not per call
         self._workspace_floats = {}  # (id of a spec of _specs, tokens) -> its workspace_floats
         self.validate_emitted_tables = validate_emitted_tables
         # the GPU attend's scratch: the caller's f32 tensor (workspace_size bytes), else the library's
@@ -96,20 +96,15 @@ class SparseAttention:
     def _folded(cache):
         return cache.reshape(-1, *cache.shape[2:]).view(storage_dtype(cache.dtype))
 
-    def _spec(self, cls, stride, decode_query_len=1):
-        key = (cls, stride, decode_query_len)
+    def _spec(self, cls, stride, decode_query_len=1, read_once=False):
+        """cls's spec for this layer, made once. read_once (the GPU page-table attend only): the
+        step's rows each read their own pages (a decode step of one token a sequence: its loads
+        then carry the L2 evict-first hint)."""
+        key = (cls, stride, decode_query_len, read_once)
         spec = self._specs.get(key)
         if spec is None:
-            spec = self._specs[key] = cls(self.cfg.replace(decode_query_len=decode_query_len), stride)
-        return spec
-
-    def _paged_spec(self, stride, read_once):
-        """The GPU page-table attend; read_once: the step's rows each read their own pages (a
-        decode step of one token a sequence: its loads then carry the L2 evict-first hint)."""
-        key = (self.paged_spec, stride, read_once)
-        spec = self._specs.get(key)
-        if spec is None:
-            spec = self._specs[key] = self.paged_spec(self.cfg, stride, read_once=read_once)
+            fields = {"read_once": True} if read_once else {}
+            spec = self._specs[key] = cls(self.cfg.replace(decode_query_len=decode_query_len), stride, **fields)
         return spec
 
     def _on(self, device):
@@ -270,7 +265,8 @@ class SparseAttention:
                                         min(k_cache.shape[0], v_cache.shape[0]) * h, stride if gpu_paged else None)
         _refresh_copies(layer.refresh)
         if emitted and gpu_paged and n:  # the GPU attend over the given table: every row of the step in one launch
-            spec = self._paged_spec(stride, metadata.prefill is None and metadata.decode.decode_query_len == 1)
+            read_once = metadata.prefill is None and metadata.decode.decode_query_len == 1
+            spec = self._spec(self.paged_spec, stride, read_once=read_once)
             kpv, vpv, scale_v, ksv, vsv = layer.views
             args = (_rows(query, 0, n), kpv, vpv, sparse_block_table[:n * h].reshape(n, h, -1),
                     sparse_context_lens[:n * h].reshape(n, h), scale_v, ksv, vsv)
