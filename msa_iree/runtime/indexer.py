@@ -19,6 +19,7 @@ from ..layout import BLOCK_SIZE, HEAD_DIM
 from ..layout import PAGES_PER_BLOCK
 from ..ops import BuildPrefillTableSpec, IndexCacheInsertSpec, IndexTopkSpec
 from ..ops.fp8 import storage_dtype
+from .kv_insert import drop_padding
 from .library import KernelLibrary
 from .metadata import MsaMetadata
 
@@ -57,10 +58,8 @@ class Indexer:
         if index_k.shape[0] < n:
             raise ValueError(f"index_k: expected at least num_actual_tokens={n} rows, got {index_k.shape[0]}")
         metadata.check_cache_slots(index_cache.shape[0] * BLOCK_SIZE, "index_cache")
-        rows, slots = metadata.insert_token_index, metadata.insert_slots
-        if slots.numel() and bool((slots < 0).any()):  # the GPU writer's form keeps padding: drop it
-            keep = (slots >= 0).nonzero().reshape(-1)
-            rows, slots = rows[keep], slots[keep]
+        # the GPU KV writer's form keeps padding, which the portable insert cannot skip
+        rows, slots = drop_padding(metadata.insert_token_index, metadata.insert_slots)
         if slots.numel() == 0:
             return
         (updated,) = self.kernels.run(self.insert_spec, raw, index_k, rows, slots, out_dtypes=[raw.dtype])

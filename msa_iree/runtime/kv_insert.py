@@ -51,9 +51,8 @@ def _insert_plan(kernels, key, value, k_cache, v_cache, metadata_or_slots, k_sca
                              f"tokens), got {key.shape[0]}")
         md.check_cache_slots(capacity)  # the builder found the step's largest slot: no sync here
         token_index, slots = md.insert_token_index, md.insert_slots
-        if not gpu_writer and slots.numel() and bool((slots < 0).any()):  # the portable writer: written tokens only
-            keep = (slots >= 0).nonzero().reshape(-1)
-            token_index, slots = token_index[keep], slots[keep]
+        if not gpu_writer:  # the portable writer: written tokens only
+            token_index, slots = drop_padding(token_index, slots)
     else:
         checks.check_shape("slot_mapping", metadata_or_slots, (key.shape[0],))
         token_index, slots = _written_tokens(metadata_or_slots)
@@ -66,6 +65,16 @@ def _insert_plan(kernels, key, value, k_cache, v_cache, metadata_or_slots, k_sca
     raw = _whole_buffer(k_cache, v_cache).view(storage_dtype(k_cache.dtype))
     spec_cls = InsertKvGpuSpec if gpu_writer else InsertKvSpec
     return spec_cls(cfg, stride), [raw, key, value, token_index, slots, ks, vs], capacity
+
+
+def drop_padding(token_index, slots):
+    """(token_index, slots) [M] without the rows whose slot is padding (< 0), for a portable
+    writer (a masked scatter is beyond IREE's GPU codegen): a host sync, and the tensors
+    themselves where nothing is padding."""
+    if slots.numel() and bool((slots < 0).any()):
+        keep = (slots >= 0).nonzero().reshape(-1)
+        return token_index[keep], slots[keep]
+    return token_index, slots
 
 
 def _written_tokens(slot_mapping):
