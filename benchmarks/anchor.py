@@ -31,10 +31,13 @@ WARM_ITERS = 20
 FLUSH_BYTES = 256 << 20
 
 
-def load_triton_module(path: str):
-    """vLLM's sparse_attn.py at `path`, imported with stand-ins for the vLLM names it imports."""
+def load_triton_module(path: str, what: str = "sparse_attn.py", required=("minimax_m3_sparse_attn",
+                                                                          "minimax_m3_sparse_attn_decode")):
+    """A vLLM minimax_m3 Triton file at `path` (`what`: sparse_attn.py, or the indexer's
+    index_topk.py), imported with stand-ins for the vLLM names it imports; `required`: the
+    functions it must have."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--anchor: expected a copy of vLLM's minimax_m3 sparse_attn.py, got no file at {path!r}")
+        raise FileNotFoundError(f"--anchor: expected a copy of vLLM's minimax_m3 {what}, got no file at {path!r}")
     import triton
     import triton.language as tl
 
@@ -43,16 +46,16 @@ def load_triton_module(path: str):
         def is_arch_support_pdl() -> bool:
             return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
-    stand_ins = {"vllm": types.ModuleType("vllm"),
-                 "vllm.platforms": types.ModuleType("vllm.platforms"),
-                 "vllm.triton_utils": types.ModuleType("vllm.triton_utils")}
+    stand_ins = {name: types.ModuleType(name) for name in ("vllm", "vllm.platforms", "vllm.triton_utils", "vllm.utils",
+                                                           "vllm.utils.math_utils")}
     stand_ins["vllm.platforms"].current_platform = _CudaPlatform()
+    stand_ins["vllm.utils.math_utils"].round_up = lambda x, m: (x + m - 1) // m * m  # vLLM's round_up
     stand_ins["vllm.triton_utils"].triton = triton
     stand_ins["vllm.triton_utils"].tl = tl
     saved = {name: sys.modules.get(name) for name in stand_ins}
     sys.modules.update(stand_ins)
     try:
-        spec = importlib.util.spec_from_file_location("anchor_minimax_m3_sparse_attn", path)
+        spec = importlib.util.spec_from_file_location("anchor_minimax_m3_" + what.split(".")[0], path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
@@ -61,9 +64,9 @@ def load_triton_module(path: str):
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = mod
-    for name in ("minimax_m3_sparse_attn", "minimax_m3_sparse_attn_decode"):
+    for name in required:
         if not hasattr(module, name):
-            raise AttributeError(f"--anchor: {path!r} has no {name} (expected vLLM's minimax_m3 sparse_attn.py)")
+            raise AttributeError(f"--anchor: {path!r} has no {name} (expected vLLM's minimax_m3 {what})")
     return module
 
 

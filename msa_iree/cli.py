@@ -85,16 +85,18 @@ def _check_compile_options(args):
         raise UsageError(f"--decode-query-lens: expected decode query lengths in 1..8, got {bad or 'none'}")
 
 
-def _indexer_specs(args, cfg) -> list:
-    """The indexer's kernels --index-cache-dtype asks for (none without it): its scores and top-k,
-    one index head per KV head a rank."""
+def _indexer_specs(args, cfg, target) -> list:
+    """The indexer's kernels --index-cache-dtype asks for (none without it), one index head per KV
+    head a rank: the index-cache insert, the scores and top-k (portable, and on a GPU target the
+    hand-written kernel), the attend's page table for a top-k."""
     if args.index_cache_dtype is None:
         return []
-    from .ops import IndexTopkSpec
+    from .ops import indexer_set
+    from .ops.indexer import indexer_config
 
     try:
-        return [IndexTopkSpec(cfg.replace(kv_dtype=args.index_cache_dtype), 16, args.index_init_blocks,
-                              args.index_local_blocks)]
+        cfg = indexer_config(cfg.num_kv_heads, args.index_cache_dtype, cfg.query_dtype)
+        return indexer_set(cfg, target, args.index_init_blocks, args.index_local_blocks).specs()
     except ValueError as e:
         raise UsageError(f"--index-cache-dtype / --index-init-blocks / --index-local-blocks: {e}") from None
 
@@ -116,7 +118,7 @@ def cmd_compile(args):
         for kernel, why in unbuilt_attends(cfg, target).items():
             print(f"{target}: not building {kernel}: {why}; on {target} SparseAttention then serves this config "
                   "with the portable attend (much slower on a GPU)")
-        indexer = _indexer_specs(args, cfg)
+        indexer = _indexer_specs(args, cfg, target)
         options = {k: v for k, v in vars(args).items() if k not in ("fn", "out", "target")}
         key = request_key(options, target)
         if not args.emit_mlir and up_to_date(out, key):

@@ -15,6 +15,9 @@ GPU_DECODE_CASES = (
     (8, 1, "fp8_e4m3fnuz", "bf16", 1, 16, "token"),  # gfx942's fp8 (its MFMA attend converts it in hardware)
 )
 # serving simulations through SparseAttention on the GPU: (kv dtype, query dtype, layout, kv heads, scale mode)
+# the hand-written indexer's cases: (index heads, index cache dtype, init blocks, local blocks)
+GPU_INDEXER_CASES = [(1, "bf16", 0, 1), (2, "bf16", 1, 1), (4, "fp8_e4m3fn", 2, 0), (1, "fp8_e4m3fn", 0, 1)]
+
 GPU_SERVING_CASES = (
     ("bf16", "bf16", "interleaved", 1, "tensor"),
     ("fp8_e4m3fn", "bf16", "planes", 1, "token"),
@@ -68,4 +71,10 @@ def gpu_test_specs():
     from msa_iree.ops import IndexTopkSpec  # the portable indexer on the GPU (test_gpu's indexer test)
     specs += [IndexTopkSpec(MsaConfig(num_kv_heads=2, kv_dtype="bf16")),
               IndexTopkSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 1, 1)]
+    from msa_iree.ops import IndexTopkGpuSpec, indexer_set  # the hand-written indexer (test_gpu's GPU indexer tests)
+    from msa_iree.ops.indexer import indexer_config
+    for heads, kv, init, local in GPU_INDEXER_CASES:
+        specs += [IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, init, local, emit_table=emit)
+                  for emit in (False, True)]
+    specs += indexer_set(indexer_config(1, "bf16", "bf16"), "cuda").specs()  # runtime.Indexer's
     return list({s.name: s for s in specs}.values())

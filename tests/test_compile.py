@@ -156,9 +156,10 @@ def test_compile_builds_the_kernel_set_of_a_vllm_configuration(monkeypatch, tmp_
 
 
 def test_compile_adds_the_indexer_kernel_when_asked(monkeypatch, tmp_path):
-    """--index-cache-dtype adds the indexer's scores and top-k to the kernel set (one index head
-    per KV head a rank, the forced blocks as given); without it nothing of the indexer is built;
-    a dtype it cannot build is a one-line error."""
+    """--index-cache-dtype adds the indexer's kernels to the kernel set (one index head per KV head
+    a rank, the forced blocks as given): the insert, the portable scores and top-k, the emitted
+    table, and on a GPU target the hand-written scores and top-k; without it nothing of the
+    indexer is built; a dtype it cannot build is a one-line error."""
     seen = {}
 
     def fake_build(cfg, targets, out, strides, decode_query_lens, specs=None, **kw):
@@ -168,10 +169,18 @@ def test_compile_adds_the_indexer_kernel_when_asked(monkeypatch, tmp_path):
     monkeypatch.setattr(C, "build", fake_build)
     argv = ["compile", "--target", "host", "--num-kv-heads", "2", "--num-heads", "32", "--out", str(tmp_path)]
     assert main(argv) == 0 and seen["specs"] is None
-    assert main(argv + ["--index-cache-dtype", "fp8_e4m3fn", "--index-init-blocks", "1"]) == 0
-    indexer = [s for s in seen["specs"] if isinstance(s, K.IndexTopkSpec)]
-    assert [(s.cfg.num_kv_heads, s.cfg.kv_dtype, s.init_blocks, s.local_blocks) for s in indexer] == \
-        [(2, "fp8_e4m3fn", 1, 1)]
-    rest = [s.name for s in seen["specs"] if not isinstance(s, K.IndexTopkSpec)]
-    assert rest == [s.name for s in K.kernel_set(seen["cfg"], seen["strides"], seen["lens"], "host")]
+    for target, kinds in (("host", [K.IndexTopkSpec, K.IndexCacheInsertSpec, K.BuildPrefillTableSpec]),
+                          ("gfx942", [K.IndexTopkSpec, K.IndexCacheInsertSpec, K.BuildPrefillTableSpec,
+                                      K.IndexTopkGpuSpec, K.IndexTopkGpuSpec])):
+        argv[2] = target
+        assert main(argv + ["--index-cache-dtype", "fp8_e4m3fn", "--index-init-blocks", "1"]) == 0
+        attend = K.kernel_set(seen["cfg"], seen["strides"], seen["lens"], target)
+        assert [s.name for s in seen["specs"][:len(attend)]] == [s.name for s in attend]
+        indexer = seen["specs"][len(attend):]
+        assert [type(s) for s in indexer] == kinds
+        assert {(s.cfg.num_kv_heads, s.cfg.kv_dtype) for s in indexer} == {(2, "fp8_e4m3fn")}
+        assert [(s.init_blocks, s.local_blocks) for s in indexer if hasattr(s, "init_blocks")] == \
+            [(1, 1)] * (len(kinds) - 2)
+        assert [s.emit_table for s in indexer if isinstance(s, K.IndexTopkGpuSpec)] == [False, True][:len(kinds) - 3]
+    argv[2] = "host"
     assert main(argv + ["--index-cache-dtype", "fp16"]) == 2

@@ -18,6 +18,7 @@ import gpu_cases
 import tolerances as tol
 from msa_iree.ops import GPU_ATTEND, GPU_PAGED_ATTEND, SparseAttnDecodeFmaSpec
 from msa_iree.ops.fp8 import storage_dtype
+from msa_iree.ops.indexer import indexer_config
 from msa_iree.runtime.library import module_scale
 
 pytestmark = pytest.mark.gpu
@@ -972,3 +973,139 @@ def test_the_portable_indexer_on_the_gpu_is_the_reference(cuda_kernels, heads, c
     spec = IndexTopkSpec(MsaConfig(num_kv_heads=heads, kv_dtype=cache_dtype), 16, init, local)
     (got,) = cuda_kernels.run(spec, *[t.to(dev) for t in (q, raw, table, req, pos)], out_dtypes=[torch.int32])
     assert torch.equal(got.cpu(), want)
+
+
+# ---- the hand-written indexer (ops/indexer_gpu.py) -------------------------------------------
+
+def _gpu_topk(lib, spec, q, cache, table, req, pos, extra_rows=0):
+    """The GPU indexer's top-k [H, T, 16] (on the host), written into a buffer of `extra_rows` more
+    rows filled with -7 (returned whole, so that a test sees what was not to be touched)."""
+    dev = torch.device("cuda")
+    raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    n, h = q.shape[0], spec.cfg.num_kv_heads
+    out = torch.full((h, n + extra_rows, 16), -7, dtype=torch.int32, device=dev)
+    ws = torch.empty(spec.workspace_floats(n, table.shape[1]), device=dev)
+    lib.run(spec, q.to(dev), raw.reshape(raw.shape[0], -1).to(dev), table.to(dev), req.to(dev), pos.to(dev),
+            out=[out, ws])
+    return out.cpu()
+
+
+@pytest.mark.parametrize("heads, cache_dtype, init, local", gpu_cases.GPU_INDEXER_CASES)
+def test_the_gpu_indexer_is_the_reference(cuda_kernels, heads, cache_dtype, init, local):
+    """The hand-written scores and top-k: ids and order exactly the reference's (block edges, a
+    padded row, ties, a NaN score, forced init and local blocks), rows past the step untouched."""
+    from msa_iree.ops import IndexTopkGpuSpec
+    from test_indexer_kernel import case
+
+    gen = torch.Generator().manual_seed(heads * 10 + init + 5)
+    args = case(gen, heads, DTYPES[cache_dtype])
+    want = R.index_topk(*args, init_blocks=init, local_blocks=local)
+    spec = IndexTopkGpuSpec(indexer_config(heads, cache_dtype, "bf16"), 16, init, local)
+    got = _gpu_topk(cuda_kernels, spec, *args, extra_rows=3)
+    n = args[0].shape[0]
+    assert torch.equal(got[:, :n], want)
+    assert got[:, n:].eq(-7).all()
+
+
+@pytest.mark.parametrize("heads, cache_dtype, init, local", gpu_cases.GPU_INDEXER_CASES)
+def test_the_gpu_indexer_emits_the_attends_table_in_the_same_launch(cuda_kernels, heads, cache_dtype, init, local):
+    """emit_table: the top-k as without it, and the attend's page-16 table for it through the
+    attention group's own block table exactly reference.build_sparse_block_table_prefill's (the own
+    block last, zeros past the row's pages, a padded row empty; local 0: rows whose own block is
+    not picked), rows past the step untouched."""
+    from msa_iree.ops import IndexTopkGpuSpec
+    from test_indexer_kernel import case
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(heads * 10 + init + 6)
+    q, cache, table, req, pos = case(gen, heads, DTYPES[cache_dtype])
+    attend_bt = torch.randperm(200, generator=gen)[:table.numel()].reshape(table.shape).int()
+    want = R.index_topk(q, cache, table, req, pos, init_blocks=init, local_blocks=local)
+    want_bt, want_ctx = R.build_sparse_block_table_prefill(want, attend_bt, req, pos, 16)
+    spec = IndexTopkGpuSpec(indexer_config(heads, cache_dtype, "bf16"), 16, init, local, emit_table=True)
+    n = q.shape[0]
+    raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    topk = torch.full((heads, n, 16), -7, dtype=torch.int32, device=dev)
+    sbt = torch.full((n + 2, heads, 128), -7, dtype=torch.int32, device=dev)
+    sctx = torch.full((n + 2, heads), -7, dtype=torch.int32, device=dev)
+    ws = torch.empty(spec.workspace_floats(n, table.shape[1]), device=dev)
+    cuda_kernels.run(spec, q.to(dev), raw.reshape(raw.shape[0], -1).to(dev), table.to(dev), req.to(dev), pos.to(dev),
+                     attend_bt.to(dev), out=[topk, sbt, sctx, ws])
+    assert torch.equal(topk.cpu(), want)
+    assert torch.equal(sbt[:n].reshape(n * heads, -1).cpu(), want_bt)
+    assert torch.equal(sctx[:n].reshape(n * heads).cpu(), want_ctx)
+    assert sbt[n:].eq(-7).all() and sctx[n:].eq(-7).all()
+
+
+def test_the_gpu_indexer_ranks_the_hand_made_request(cuda_kernels):
+    """Block 0 scores 1, blocks 1 and 2 tie at 3, block 3 holds a NaN, block 4 scores -5, the own
+    block (4) forced local: [4, 1, 2, 0, 3, -1, ...] (test_indexer_kernel's vector)."""
+    from msa_iree.ops import IndexTopkGpuSpec
+
+    q = torch.zeros(1, 1, 128, dtype=torch.bfloat16)
+    q[0, 0, 0] = 1
+    keys = torch.zeros(5, 128, 128)
+    for b, v in enumerate([1.0, 3.0, 3.0, float("nan"), -5.0]):
+        keys[b, :, 0] = v
+    got = _gpu_topk(cuda_kernels, IndexTopkGpuSpec(indexer_config(1, "bf16", "bf16")), q, keys.to(torch.bfloat16),
+                    torch.arange(5, dtype=torch.int32)[None], torch.zeros(1, dtype=torch.int32),
+                    torch.tensor([4 * 128 + 10], dtype=torch.int32))
+    assert got[0, 0].tolist() == [4, 1, 2, 0, 3] + [-1] * 11
+
+
+@pytest.mark.parametrize("cols, cache_dtype", [(64, "bf16"), (1000, "fp8_e4m3fn"), (8192, "bf16")])
+def test_the_gpu_indexer_over_long_contexts_is_the_reference(cuda_kernels, cols, cache_dtype):
+    """Both split rules (8 blocks a split up to 512 columns, then columns / 64) up to 8,192 columns
+    (1,048,576 tokens): rows at a request's last, first and block-edge positions and four
+    consecutive (speculative decode) positions, random keys; ids and order exactly the reference's."""
+    from msa_iree.ops import IndexTopkGpuSpec
+
+    gen = torch.Generator().manual_seed(cols)
+    blocks = cols + 8
+    cache = torch.randn(blocks, 128, 128, generator=gen).to(DTYPES[cache_dtype])
+    table = torch.randint(0, blocks, (2, cols), generator=gen, dtype=torch.int32)
+    last, mid = cols * 128 - 1, cols * 64 + 5
+    pos = torch.tensor([last, 0, 127, 128, last - 128, mid - 3, mid - 2, mid - 1, mid], dtype=torch.int32)
+    req = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1], dtype=torch.int32)
+    q = torch.randn(len(pos), 1, 128, generator=gen).to(torch.bfloat16)
+    want = R.index_topk(q, cache, table, req, pos)
+    got = _gpu_topk(cuda_kernels, IndexTopkGpuSpec(indexer_config(1, cache_dtype, "bf16")), q, cache, table, req, pos)
+    assert torch.equal(got, want)
+
+
+def test_the_indexer_serves_the_gpu_kernel_on_the_step_metadata(cuda_kernels):
+    """runtime.Indexer on CUDA: the step's metadata (index group) into the hand-written kernel,
+    launched on torch's stream into the caller's buffer (rows past the step untouched) or its own;
+    the same top-k as the reference for a mixed step (two decodes, a chunked prefill)."""
+    from msa_iree.runtime import Indexer, MetadataBuilder
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(91)
+    index_bt = torch.tensor([[3, 7, 1, 9, 0], [2, 5, 11, 4, 6], [8, 10, 12, 13, 14]], dtype=torch.int32)
+    cache = torch.randn(16, 128, 128, generator=gen).to(torch.bfloat16)
+    q_lens = torch.tensor([1, 1, 130], dtype=torch.int32)
+    computed = torch.tensor([300, 511, 200], dtype=torch.int32)
+    seq = computed + q_lens
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()])
+    req = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), q_lens)
+    pos = torch.cat([torch.arange(int(c), int(s)) for c, s in zip(computed, seq)]).int()
+    builder = MetadataBuilder(4, 1024, num_cache_blocks=16, kernels=cuda_kernels, device=dev)
+    md = builder.build(index_bt.to(dev), seq.to(dev), qsl.to(dev), computed.to(dev), 1, 2)
+    n = int(qsl[-1])
+    index_q = torch.randn(n, 1, 128, generator=gen).to(torch.bfloat16)
+    indexer = Indexer(1, torch.bfloat16, kernels=cuda_kernels)
+    assert indexer.specs.topk_gpu is not None
+    want = R.index_topk(index_q, cache, index_bt, req, pos)
+    out = torch.full((1, n + 4, 16), -7, dtype=torch.int32, device=dev)
+    got = indexer.topk(index_q.to(dev), cache.to(dev), md, out=out)
+    assert got is out and torch.equal(out[:, :n].cpu(), want) and out[:, n:].eq(-7).all()
+    assert torch.equal(indexer.topk(index_q.to(dev), cache.to(dev), md).cpu(), want)
+    with pytest.raises(ValueError, match=r"out: expected a contiguous \[1, >= 132, 16\] int32 tensor"):
+        indexer.topk(index_q.to(dev), cache.to(dev), md, out=out[:, :n - 1])
+    # the top-k and the attend's table in one launch, through the attention group's metadata
+    kv_bt = torch.tensor([[20, 21, 22, 23, 24], [30, 31, 32, 33, 34], [40, 41, 42, 43, 44]], dtype=torch.int32)
+    kv_md = MetadataBuilder(4, 1024, num_cache_blocks=64, kernels=cuda_kernels, device=dev).build(
+        kv_bt.to(dev), seq.to(dev), qsl.to(dev), computed.to(dev), 1, 2)
+    topk, sbt, sctx = indexer.topk_with_table(index_q.to(dev), cache.to(dev), md, kv_md)
+    want_bt, want_ctx = R.build_sparse_block_table_prefill(want, kv_bt, req, pos, 16)
+    assert torch.equal(topk.cpu(), want) and torch.equal(sbt.cpu(), want_bt) and torch.equal(sctx.cpu(), want_ctx)

@@ -8,7 +8,7 @@ import pytest
 from msa_iree import compile as C
 from msa_iree import ops as K
 from msa_iree.config import MsaConfig
-from msa_iree.ops.tuning import AttendTuning
+from msa_iree.ops.tuning import AttendTuning, IndexerTuning
 from msa_iree.inspect import kernel_report
 
 DECODE = [K.SparseAttnDecodeFmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16),
@@ -45,9 +45,12 @@ PAGED_CUDA = [K.SparseAttnPagedMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16),
 
 
 INDEXER = [K.IndexTopkSpec(MsaConfig(kv_dtype="bf16")), K.IndexTopkSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 1, 1)]
+GPU_INDEXER = [K.IndexTopkGpuSpec(MsaConfig(kv_dtype="bf16")),
+               K.IndexTopkGpuSpec(MsaConfig(num_heads=64, num_kv_heads=4, kv_dtype="fp8_e4m3fn"), 16, 1, 1),
+               K.IndexTopkGpuSpec(MsaConfig(kv_dtype="bf16"), 16, 0, 1, emit_table=True)]
 
 
-@pytest.mark.parametrize("spec", DECODE + INSERT + PAGED_CUDA + INDEXER, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", DECODE + INSERT + PAGED_CUDA + INDEXER + GPU_INDEXER, ids=lambda s: s.name)
 def test_compiles_for_cuda(tmp_path, spec):
     manifest = C.build(None, ["cuda"], tmp_path, specs=[spec], log=lambda m: None)["cuda"]
     assert (manifest.parent / f"{spec.name}.vmfb").stat().st_size > 10_000
@@ -113,6 +116,51 @@ def test_the_portable_indexer_compiles_for_gfx942(tmp_path):
     compiled, never run here."""
     manifest = C.build(None, ["gfx942"], tmp_path, specs=INDEXER[:1], log=lambda m: None)["gfx942"]
     assert (manifest.parent / f"{INDEXER[0].name}.vmfb").stat().st_size > 10_000
+
+
+def test_gfx942_indexer_isa(tmp_path):
+    """The hand-written indexer on gfx942 (compiled, never run here), with and without the table
+    emission: two dispatches, no scratch, >= 4 waves per SIMD, the bf16 keys read in 16-byte loads
+    (fp8: 8-byte), no score tensor between the dispatches (@merge reads only the picks)."""
+    C.build(None, ["gfx942"], tmp_path, specs=GPU_INDEXER, log=lambda m: None)
+    report = {r["kernel"]: r for r in kernel_report(tmp_path)}
+    for spec in GPU_INDEXER:
+        functions = {f["function"]: f for f in report[spec.name]["functions"]}
+        assert report[spec.name]["dispatches"] == 2 and set(functions) == {"score", "merge"}
+        for f in functions.values():
+            assert f["scratch_bytes"] == 0 and f["scratch_ops"] == 0 and f["waves_per_simd"] >= 4, (spec.name, f)
+        loads = functions["score"]["global_load_x4" if spec.cfg.kv_dtype == "bf16" else "global_load_x2"]
+        assert loads >= spec.tuning.key_loads, functions["score"]
+    text = GPU_INDEXER[0].render()
+    merge = text[text.index("func.func @merge"):text.index("func.func @main")]
+    # a pick's key (%at*) and block id (%ati*) of each of a lane's 4 entries, nothing else
+    assert sorted(re.findall(r"memref\.load %ws\[(%\w+)\]", merge)) == sorted(
+        [f"%at{e}" for e in range(4)] + [f"%ati{e}" for e in range(4)])
+
+
+def test_the_indexer_split_rule_covers_every_column_count():
+    """The template's rule (blocks a split, splits) as the spec states it: MIN_BPS blocks a split
+    up to MAX_SPLITS splits, then as many as fit MAX_SPLITS; every column is in a split, no split
+    is empty, and 8,192 columns (1M tokens) is the most."""
+    t = GPU_INDEXER[0].tuning
+    for cols in [1, 7, 8, 9, 511, 512, 513, 1000, 1024, 4095, 8192]:
+        bps, splits = t.blocks_per_split(cols), t.splits(cols)
+        assert bps <= 128 and splits <= t.max_splits and (splits - 1) * bps < cols <= splits * bps, cols
+    assert t.blocks_per_split(512) == 8 and t.blocks_per_split(513) == 9 and t.blocks_per_split(8192) == 128
+    assert GPU_INDEXER[0].workspace_floats(3, 64) == 2 * 3 * 1 * 8 * 16
+
+
+def test_the_gpu_indexer_refuses_what_it_cannot_build():
+    with pytest.raises(ValueError, match="num_kv_heads: expected index heads per rank in \\(1, 2, 4\\) for the GPU "
+                                         "indexer, got 3"):
+        K.IndexTopkGpuSpec(MsaConfig(num_heads=48, num_kv_heads=3))
+    with pytest.raises(ValueError, match="kv_dtype: expected an index cache of bf16 or fp8_e4m3fn, got fp8_e4m3fnuz"):
+        K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"))
+    with pytest.raises(ValueError, match="IndexerTuning.key_loads: expected a divisor of 64"):
+        K.IndexTopkGpuSpec(MsaConfig(), 16, 0, 1, IndexerTuning(key_loads=6))
+    assert K.IndexTopkGpuSpec(MsaConfig(), 16, 0, 1, IndexerTuning(key_loads=4)).name != GPU_INDEXER[0].name
+    assert K.indexer_set(MsaConfig(), "host").topk_gpu is None
+    assert K.indexer_set(MsaConfig(), "gfx942").topk_gpu.name == GPU_INDEXER[0].name
 
 
 def test_gfx942_paged_attend_isa(tmp_path):

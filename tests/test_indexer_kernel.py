@@ -128,6 +128,13 @@ def test_a_whole_sparse_layer_runs_as_the_reference(host_kernels):
         by_table = attn.forward(q, kc, vc, torch.full_like(q, float("nan")), topk, kv_md,
                                 sparse_block_table=sbt, sparse_context_lens=sctx)
         assert_attend_close(by_table, ref, f"step of {qlens}, emitted table")
+        # both at once into a caller's buffers (rows past the step untouched)
+        bufs = (torch.full((1, n + 2, 16), -7, dtype=torch.int32), torch.full((n + 2, 1, 128), -7, dtype=torch.int32),
+                torch.full((n + 2, 1), -7, dtype=torch.int32))
+        got = indexer.topk_with_table(index_q, index_cache, index_md, kv_md, out=bufs[0], table_out=bufs[1:])
+        assert got[0] is bufs[0] and torch.equal(got[0][:, :n], topk) and got[0][:, n:].eq(-7).all()
+        assert torch.equal(got[1], want_bt) and torch.equal(got[2], want_ctx)
+        assert bufs[1][n:].eq(-7).all() and bufs[2][n:].eq(-7).all()
         computed = seq
 
 
@@ -150,3 +157,5 @@ def test_the_indexer_refuses_bad_calls_by_name(host_kernels):
         indexer.insert(torch.zeros(1, 128, dtype=BF16), cache, md)
     with pytest.raises(TypeError, match="metadata: expected the index group's MsaMetadata"):
         indexer.topk(torch.zeros(1, 1, 128, dtype=BF16), cache, None)
+    with pytest.raises(ValueError, match=r"out: expected a contiguous \[1, >= 1, 16\] int32 tensor, got shape \(1, 1, 8\)"):
+        indexer.topk(torch.zeros(1, 1, 128, dtype=BF16), cache, md, out=torch.zeros(1, 1, 8, dtype=torch.int32))

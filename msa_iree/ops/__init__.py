@@ -1,8 +1,8 @@
 """The kernels: every MSA operation as a specialisation (a spec) that names one compiled module.
 
 - ops/portable.py: the PyTorch formulations (iree-turbine export), every target; ops/indexer.py
-  the indexer's scores and top-k, the same way (built when `msa-iree compile` is given an index
-  cache dtype);
+  the indexer's scores and top-k, the same way, and ops/indexer_gpu.py its hand-written GPU
+  kernel (both built when `msa-iree compile` is given an index cache dtype);
 - ops/fma.py, ops/mma.py, ops/mfma.py: the hand-written GPU attend's three families (vector FMAs,
   CUDA tensor cores, gfx942 matrix cores), their shared part in ops/attend_gpu.py, their knobs in
   ops/tuning.py; ops/insert_gpu.py: the in-place GPU KV insert; the templates in ops/templates/.
@@ -12,10 +12,14 @@ and the kernel set a deployment of one config needs (`kernel_set`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..config import MsaConfig
+from ..layout import PAGES_PER_BLOCK
 from .attend_gpu import GpuAttendSpec
 from .fma import SparseAttnDecodeFmaSpec, SparseAttnPagedFmaSpec, SparseAttnPrefillFmaSpec
 from .indexer import IndexCacheInsertSpec, IndexTopkSpec
+from .indexer_gpu import IndexTopkGpuSpec
 from .insert_gpu import InsertKvGpuSpec
 from .mfma import (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnDecodeMfmaSpec, SparseAttnPagedMfmaEmulatedSpec,
                    SparseAttnPagedMfmaSpec, SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPrefillMfmaSpec)
@@ -30,7 +34,7 @@ PORTABLE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec, BuildDecodeTableSpec, B
 GPU_SPECS = (SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec,
              SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaSpec, SparseAttnDecodeMfmaEmulatedSpec,
              SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPagedFmaSpec, SparseAttnPagedMmaSpec, SparseAttnPagedMfmaSpec,
-             SparseAttnPagedMfmaEmulatedSpec, InsertKvGpuSpec)
+             SparseAttnPagedMfmaEmulatedSpec, InsertKvGpuSpec, IndexTopkGpuSpec)
 ALL_KERNELS = {cls.kernel: cls for cls in (*PORTABLE_SPECS, *GPU_SPECS)}
 
 # (attend family, target) -> the GPU attend's (decode, prefill) spec classes. "mfma" on cuda is the
@@ -97,5 +101,30 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
     return specs
 
 
-__all__ = ["ALL_KERNELS", "GPU_ATTEND", "GPU_PAGED_ATTEND", "GPU_SPECS", "NATIVE_MATRIX", "PORTABLE_SPECS", "GpuAttendSpec", "KernelSpec",
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerKernels:
+    """The kernels of one layer's indexer (runtime.Indexer) on one target."""
+    topk: IndexTopkSpec                   # scores and top-k, portable
+    insert: IndexCacheInsertSpec          # the index-cache insert, portable
+    table: BuildPrefillTableSpec          # the attend's page table for a top-k (page-16 rebase: stride 16)
+    topk_gpu: IndexTopkGpuSpec | None     # scores and top-k, hand-written, where the target and cfg allow
+    topk_gpu_table: IndexTopkGpuSpec | None  # ... and the attend's page table for them, in the same launch
+
+    def specs(self) -> list[KernelSpec]:
+        return [s for s in (self.topk, self.insert, self.table, self.topk_gpu, self.topk_gpu_table) if s is not None]
+
+
+def indexer_set(cfg: MsaConfig, target=None, init_blocks: int = 0, local_blocks: int = 1) -> IndexerKernels:
+    """The indexer's kernels for `cfg` (ops.indexer.indexer_config: index heads, index cache dtype)
+    on `target`; init_blocks / local_blocks: MiniMax-M3's sparse_init_block / sparse_local_block."""
+    gpu = target in IndexTopkGpuSpec.targets and IndexTopkGpuSpec.supports(cfg)
+    return IndexerKernels(IndexTopkSpec(cfg, 16, init_blocks, local_blocks), IndexCacheInsertSpec(cfg),
+                          BuildPrefillTableSpec(cfg, 2 * PAGES_PER_BLOCK),
+                          IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks) if gpu else None,
+                          IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks, emit_table=True) if gpu else None)
+
+
+__all__ = ["ALL_KERNELS", "IndexerKernels", "indexer_set", "GPU_ATTEND", "GPU_PAGED_ATTEND", "GPU_SPECS", "NATIVE_MATRIX", "PORTABLE_SPECS", "GpuAttendSpec", "KernelSpec",
            "TemplateSpec", "kernel_set", "served_attends", "served_families", "unbuilt_attends", *[c.__name__ for c in ALL_KERNELS.values()]]

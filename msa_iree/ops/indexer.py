@@ -7,8 +7,7 @@ smaller block id as the reference's stable sort has it.
 What it computes for every (token, index head): the scores of all of the request's blocks in
 the index block table, [T, H, C] from a [T, C, 128, 128] key gather, so it is meant for the
 host and for tests: its memory grows with tokens x columns (a 32K-token row gathers 8 MiB of
-keys), and IREE splits it into 54 dispatches on gfx942. The GPU indexer kernels are not written
-yet.
+keys), and IREE splits it into 54 dispatches on gfx942. The GPU kernel is ops/indexer_gpu.py.
 
 Shapes: T tokens, H index heads, C index block-table columns, N index-cache blocks.
 """
@@ -18,7 +17,7 @@ import dataclasses
 
 import torch
 
-from ..config import FP8_DTYPES
+from ..config import FP8_DTYPES, MsaConfig
 from ..layout import BLOCK_SIZE, HEAD_DIM
 from .fp8 import decode_fp8, encode_fp8, storage_dtype
 from .portable import _dims, flat_index2
@@ -26,6 +25,13 @@ from .spec import ExportedSpec
 
 FORCED_INIT_SCORE, FORCED_LOCAL_SCORE, NAN_SCORE = 1e30, 1e29, -1e30  # as reference.index_topk
 INDEX_CACHE_DTYPES = ("bf16", "fp8_e4m3fn")
+
+
+def indexer_config(num_index_heads: int, index_cache_dtype: str, query_dtype: str) -> MsaConfig:
+    """The config the indexer's kernels are specialised on: num_kv_heads = index heads per rank (one
+    per KV head), kv_dtype = the index cache's dtype, query_dtype = the index queries' and keys'."""
+    return MsaConfig(num_heads=16 * num_index_heads, num_kv_heads=num_index_heads, kv_dtype=index_cache_dtype,
+                     query_dtype=query_dtype)
 
 
 def check_index_cache_dtype(cfg):

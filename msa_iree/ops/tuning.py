@@ -86,3 +86,35 @@ TUNING = {
         q_first=True,         # the q staging's barrier had put a memory round trip before the first K
     ),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerTuning:
+    """The GPU indexer's knobs (templates/index_topk_gpu.mlir.j2). A token's candidate blocks are
+    split over workgroups of min_blocks_per_split blocks (one per team of 32 lanes at 8) up to
+    max_splits splits, above that C / max_splits blocks each (at most 128: 8,192 columns, 1M
+    tokens); key_loads: 16-byte key loads in flight per lane (8-byte for fp8 caches)."""
+
+    min_blocks_per_split: int = 8
+    max_splits: int = 64
+    key_loads: int = 8
+
+    def __post_init__(self):
+        if not (1 <= self.max_splits <= 64 and 1 <= self.min_blocks_per_split <= 128):
+            raise ValueError(f"IndexerTuning: expected max_splits in [1, 64] (@merge's 8 teams of 8 splits) and "
+                             f"min_blocks_per_split in [1, 128] (LDS of 128 scores), got {self.max_splits}, "
+                             f"{self.min_blocks_per_split}")
+        if 64 % self.key_loads:
+            raise ValueError(f"IndexerTuning.key_loads: expected a divisor of 64 (position pairs a block), "
+                             f"got {self.key_loads}")
+
+    def blocks_per_split(self, columns: int) -> int:
+        """Blocks a split scores for a block table of `columns` columns (the template's rule)."""
+        narrow = -(-columns // self.min_blocks_per_split) <= self.max_splits
+        return self.min_blocks_per_split if narrow else -(-columns // self.max_splits)
+
+    def splits(self, columns: int) -> int:
+        return max(1, -(-columns // self.blocks_per_split(columns)))
+
+
+INDEXER = IndexerTuning()

@@ -5,20 +5,24 @@ The index cache is a KV-cache group of its own (its own block table and slots): 
 built by a `MetadataBuilder` over the index group's tensors, once per step for all layers, and a
 layer's calls read that metadata (token positions, the index block table, the insert's rows).
 
-It runs the portable kernels of ops/indexer.py on every target: correct everywhere, fast nowhere
-(a [tokens, columns, 128, 128] key gather; on a GPU IREE's synchronous call, and the insert's
-padding dropped with a host sync). The GPU indexer kernels are not written yet.
+The scores and top-k run the hand-written GPU kernel (ops/indexer_gpu.py) on CUDA and gfx942,
+launched on torch's stream where the library does (CUDA: run; gfx942: compiled only, never run),
+with the library's shared workspace; on the host the portable kernel of ops/indexer.py (a
+[tokens, columns, 128, 128] key gather: correct, slow). The index-cache insert and the emitted
+table are the portable kernels on every target (on a GPU IREE's synchronous call, and the insert's
+padding dropped with a host sync).
 """
 from __future__ import annotations
 
 import torch
 
 from .. import checks
-from ..config import MsaConfig, dtype_name
-from ..layout import BLOCK_SIZE, HEAD_DIM
-from ..layout import PAGES_PER_BLOCK
-from ..ops import BuildPrefillTableSpec, IndexCacheInsertSpec, IndexTopkSpec
+from ..config import dtype_name
+from ..layout import BLOCK_SIZE, HEAD_DIM, PAGES_PER_BLOCK
+from ..ops import indexer_set
 from ..ops.fp8 import storage_dtype
+from ..ops.indexer import indexer_config
+from ..ops.indexer_gpu import MAX_COLUMNS
 from .kv_insert import drop_padding
 from .library import KernelLibrary
 from .metadata import MsaMetadata
@@ -31,14 +35,11 @@ class Indexer:
     def __init__(self, num_index_heads: int, index_cache_dtype, *, init_blocks: int = 0, local_blocks: int = 1,
                  target: str = "host", build_dir=None, kernels=None, query_dtype=torch.bfloat16):
         cache_name = index_cache_dtype if isinstance(index_cache_dtype, str) else dtype_name(index_cache_dtype)
-        self.cfg = MsaConfig(num_heads=16 * num_index_heads, num_kv_heads=num_index_heads, kv_dtype=cache_name,
-                             query_dtype=dtype_name(query_dtype))
-        self.topk_spec = IndexTopkSpec(self.cfg, 16, init_blocks, local_blocks)  # refuses what it cannot build
-        self.insert_spec = IndexCacheInsertSpec(self.cfg)
-        # the attend's page table for a top-k, through the attention group's block table (page-16
-        # rebase: both K/V sides in one 16-page block)
-        self.table_spec = BuildPrefillTableSpec(self.cfg, 2 * PAGES_PER_BLOCK)
+        self.cfg = indexer_config(num_index_heads, cache_name, dtype_name(query_dtype))
         self.kernels = kernels or KernelLibrary(target, build_dir)
+        # (the specs refuse what they cannot build); the attend's page table for a top-k goes
+        # through the attention group's block table (page-16 rebase: both K/V sides in one block)
+        self.specs = indexer_set(self.cfg, self.kernels.target, init_blocks, local_blocks)
 
     def _check_cache(self, index_cache, metadata):
         checks.check_dtype("index_cache", index_cache, self.cfg.kv_torch_dtype)
@@ -62,13 +63,33 @@ class Indexer:
         rows, slots = drop_padding(metadata.insert_token_index, metadata.insert_slots)
         if slots.numel() == 0:
             return
-        (updated,) = self.kernels.run(self.insert_spec, raw, index_k, rows, slots, out_dtypes=[raw.dtype])
+        (updated,) = self.kernels.run(self.specs.insert, raw, index_k, rows, slots, out_dtypes=[raw.dtype])
         raw.copy_(updated)
 
-    def topk(self, index_q, index_cache, metadata: MsaMetadata) -> torch.Tensor:
+    def topk(self, index_q, index_cache, metadata: MsaMetadata, out=None) -> torch.Tensor:
         """topk [H, tokens, 16] int32 (what SparseAttention.forward takes): each token's
         highest-scoring blocks of its request, as reference.index_topk; index_q [>= tokens, H,
-        128] 16-bit."""
+        128] 16-bit. out: where it is written, [H, >= tokens, 16] int32 contiguous (rows past the
+        step's tokens untouched; a captured step's stable buffer), returned whole (the portable
+        kernel's result is copied into it)."""
+        q, raw = self._checked_q(index_q, index_cache, metadata)
+        gpu = self.specs.topk_gpu
+        if gpu is not None and q.is_cuda:
+            h, n = self.cfg.num_kv_heads, q.shape[0]
+            topk = self._output_buffer("out", out, (h, n, self.cfg.topk), q.device)
+            if n:
+                self._run_gpu(gpu, q, raw, metadata, (topk,))
+            return topk
+        (topk,) = self.kernels.run(self.specs.topk, q, raw, metadata.block_table, metadata.token_req_id,
+                                   metadata.token_abs_pos, out_dtypes=[torch.int32])
+        if out is None:
+            return topk
+        out = self._output_buffer("out", out, tuple(topk.shape), topk.device)
+        out[:, :topk.shape[1]].copy_(topk)  # the portable kernel allocates its result
+        return out
+
+    def _checked_q(self, index_q, index_cache, metadata):
+        """(the step's rows of index_q, the cache's storage view) after every per-call check."""
         raw = self._check_cache(index_cache, metadata)
         checks.check_shape("index_q", index_q, (None, self.cfg.num_kv_heads, HEAD_DIM))
         checks.check_dtype("index_q", index_q, self.cfg.query_torch_dtype)
@@ -76,9 +97,67 @@ class Indexer:
         if index_q.shape[0] < n:
             raise ValueError(f"index_q: expected at least num_actual_tokens={n} rows, got {index_q.shape[0]}")
         metadata.check_cache_blocks(index_cache.shape[0], "index_cache")
-        (topk,) = self.kernels.run(self.topk_spec, index_q[:n], raw, metadata.block_table, metadata.token_req_id,
-                                   metadata.token_abs_pos, out_dtypes=[torch.int32])
-        return topk
+        return index_q[:n], raw
+
+    @staticmethod
+    def _output_buffer(name, given, shape, device):
+        """`given` checked as a contiguous int32 [shape[0], >= shape[1], ...] on `device`, else a new one."""
+        if given is None:
+            return torch.empty(shape, dtype=torch.int32, device=device)
+        checks.check_dtype(name, given, torch.int32)
+        checks.check_device(name, given, device)
+        rows = 1 if name == "out" else 0  # topk is head-major
+        if (given.dim() != len(shape) or given.shape[rows] < shape[rows] or not given.is_contiguous()
+                or any(g != s for i, (g, s) in enumerate(zip(given.shape, shape)) if i != rows)):
+            want = ", ".join(f">= {s}" if i == rows else str(s) for i, s in enumerate(shape))
+            raise ValueError(f"{name}: expected a contiguous [{want}] int32 tensor, got shape {tuple(given.shape)}, "
+                             f"strides {given.stride()}")
+        return given
+
+    def _run_gpu(self, spec, index_q, raw, metadata, outputs, extra=()):
+        columns = metadata.block_table.shape[1]
+        if columns > MAX_COLUMNS:
+            raise ValueError(f"metadata: expected an index block table of at most {MAX_COLUMNS} columns "
+                             f"({MAX_COLUMNS * BLOCK_SIZE} tokens) for the GPU indexer, got {columns}")
+        ws = self.kernels.workspace(spec.workspace_floats(index_q.shape[0], columns), index_q.device)
+        self.kernels.run(spec, index_q, raw.view(raw.shape[0], -1), metadata.block_table, metadata.token_req_id,
+                         metadata.token_abs_pos, *extra, out=[*outputs, ws])
+
+    def topk_with_table(self, index_q, index_cache, metadata: MsaMetadata, attend_metadata: MsaMetadata, *,
+                        out=None, table_out=None):
+        """(topk [H, tokens, 16], sparse_bt [tokens * H, 128], sparse_ctx [tokens * H]) int32: `topk`
+        and the attend's page table for it (`emit_table`), on a GPU in one launch (the table written
+        by the top-k's own merge). out: as topk's; table_out: (sparse_bt [>= tokens, H, 128],
+        sparse_ctx [>= tokens, H]) int32 contiguous to write the table into (the returned views are
+        their first rows, folded to [tokens * H, ...])."""
+        q, raw = self._checked_q(index_q, index_cache, metadata)
+        spec = self.specs.topk_gpu_table
+        if spec is None or not q.is_cuda:  # the portable kernels, one after the other
+            topk = self.topk(index_q, index_cache, metadata, out=out)
+            sbt, sctx = self.emit_table(topk, attend_metadata)
+            if table_out is None:
+                return topk, sbt, sctx
+            n, h = q.shape[0], self.cfg.num_kv_heads
+            sbt_out = self._output_buffer("sparse_bt", table_out[0], (n, h, sbt.shape[1]), sbt.device)
+            sctx_out = self._output_buffer("sparse_ctx", table_out[1], (n, h), sctx.device)
+            sbt_out[:n].copy_(sbt.view(n, h, -1))
+            sctx_out[:n].copy_(sctx.view(n, h))
+            return topk, sbt_out[:n].reshape(n * h, -1), sctx_out[:n].reshape(n * h)
+        if not isinstance(attend_metadata, MsaMetadata):
+            raise TypeError(f"attend_metadata: expected the attention group's MsaMetadata, "
+                            f"got {type(attend_metadata).__name__}")
+        n, h, k = q.shape[0], self.cfg.num_kv_heads, self.cfg.topk
+        if attend_metadata.num_actual_tokens != n or attend_metadata.block_table.shape[0] != metadata.block_table.shape[0]:
+            raise ValueError(f"attend_metadata: expected the step's {n} tokens of {metadata.block_table.shape[0]} "
+                             f"requests (the index group's), got {attend_metadata.num_actual_tokens} tokens of "
+                             f"{attend_metadata.block_table.shape[0]}")
+        sbt_out, sctx_out = (None, None) if table_out is None else table_out
+        topk = self._output_buffer("out", out, (h, n, k), q.device)
+        sbt = self._output_buffer("sparse_bt", sbt_out, (n, h, k * PAGES_PER_BLOCK), q.device)
+        sctx = self._output_buffer("sparse_ctx", sctx_out, (n, h), q.device)
+        if n:
+            self._run_gpu(spec, q, raw, metadata, (topk, sbt, sctx), (attend_metadata.block_table,))
+        return topk, sbt[:n].reshape(n * h, -1), sctx[:n].reshape(n * h)
 
     def emit_table(self, topk, attend_metadata: MsaMetadata):
         """The attend's page table for `topk` (what SparseAttention.forward takes as
@@ -93,6 +172,6 @@ class Indexer:
         if topk.shape[1] < n:
             raise ValueError(f"topk: expected at least num_actual_tokens={n} rows, got {topk.shape[1]}")
         md = attend_metadata
-        bt, ctx = self.kernels.run(self.table_spec, topk[:, :n], md.block_table, md.token_req_id, md.token_abs_pos,
+        bt, ctx = self.kernels.run(self.specs.table, topk[:, :n], md.block_table, md.token_req_id, md.token_abs_pos,
                                    out_dtypes=[torch.int32, torch.int32])
         return bt.reshape(n * h, -1), ctx.reshape(n * h)

@@ -1,0 +1,154 @@
+"""The indexer's decode scores and top-k: msa-iree's GPU kernel (ops/indexer_gpu.py) against vLLM's
+Triton indexer, in one process on the same bytes, by the anchor's protocol (anchor.py).
+
+vLLM serves MiniMax-M3's indexer on CUDA with `minimax_m3_index_decode` of
+`vllm/models/minimax_m3/common/ops/index_topk.py` (the vllm wheel; `--anchor PATH` is a copy taken
+for the measurement, not part of this repository): block scores and a split top-k, 1 index head,
+init 0 / local 1 forced blocks. Each case is a decode batch of `c` requests, every one `ctx`
+tokens long with L new tokens (positions ctx - L .. ctx - 1), random index keys, each request its
+own blocks.
+
+Per case: cold and warm us (anchor.cold_us / warm_us) of both, their ratio (Triton / msa-iree),
+GB/s over the index-key bytes each request must read (c x ctx x 128 x the cache's element size)
+and that against a device copy measured in the run; `same`: the share of rows whose 16 ids
+(and order) the two agree on, and `ref`: whether msa-iree's rows of one request equal
+reference.index_topk's (computed on the host over that request's blocks); `+table`: warm us with
+the attend's page table emitted in the same launch over warm us without.
+
+    python -m benchmarks.indexer --build-dir .devbuild/cuda --anchor PATH/index_topk.py --json indexer.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from msa_iree import reference as R
+from msa_iree.config import DTYPES
+from msa_iree.ops import IndexTopkGpuSpec
+from msa_iree.ops.indexer import indexer_config
+from msa_iree.runtime import KernelLibrary
+
+from . import anchor
+from .bench import copy_bandwidth_GBps
+
+CASES = [(c, ctx, L) for c in (64, 256) for ctx in (8192, 32768, 131072) for L in (1,)] + \
+    [(64, 8192, 4), (64, 32768, 4)]
+
+
+def decode_case(c, ctx, L, cache_dtype, device, gen):
+    """(q [c L, 1, 128] bf16, cache [blocks, 128, 128], block_table [c, ctx / 128], seq_lens [c],
+    req_id and abs_pos [c L]) of a decode batch: every request ctx tokens, its own blocks."""
+    nb = -(-ctx // 128)
+    table = torch.randperm(c * nb, generator=gen).view(c, nb).int().to(device)
+    cache = torch.empty(c * nb, 128, 128, dtype=torch.bfloat16, device=device)
+    cache.normal_(generator=torch.Generator(device).manual_seed(int(torch.randint(1 << 30, (1,), generator=gen))))
+    cache = cache.to(DTYPES[cache_dtype])
+    q = torch.randn(c * L, 1, 128, generator=gen).to(torch.bfloat16).to(device)
+    seq = torch.full((c,), ctx, dtype=torch.int32, device=device)
+    req = torch.arange(c, device=device).repeat_interleave(L).int()
+    pos = (ctx - L + torch.arange(c * L, device=device) % L).int()
+    return q, cache, table, seq, req, pos
+
+
+def reference_rows(q, cache, table, req, pos, request=0):
+    """reference.index_topk of one request's rows, on the host over that request's blocks only."""
+    rows = (req == request).nonzero().flatten()
+    blocks = cache[table[request].long()].cpu()
+    local = torch.arange(table.shape[1], dtype=torch.int32)[None]
+    return rows, R.index_topk(q[rows].cpu(), blocks, local, torch.zeros(len(rows), dtype=torch.int32), pos[rows].cpu())
+
+
+def run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy_GBps, gen):
+    device = torch.device("cuda")
+    q, cache, table, seq, req, pos = decode_case(c, ctx, L, cache_dtype, device, gen)
+    spec = IndexTopkGpuSpec(indexer_config(1, cache_dtype, "bf16"))
+    raw = (cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache).view(cache.shape[0], -1)
+    out = torch.empty(1, c * L, 16, dtype=torch.int32, device=device)
+    ws = torch.empty(spec.workspace_floats(c * L, table.shape[1]), device=device)
+
+    emit = IndexTopkGpuSpec(spec.cfg, emit_table=True)
+    sbt = torch.empty(c * L, 1, 128, dtype=torch.int32, device=device)
+    sctx = torch.empty(c * L, 1, dtype=torch.int32, device=device)
+
+    def msa():
+        lib.run(spec, q, raw, table, req, pos, out=[out, ws])
+
+    def msa_emit():  # the attend's table too (through the index table: the bytes are what count)
+        lib.run(emit, q, raw, table, req, pos, table, out=[out, sbt, sctx, ws])
+
+    msa()
+    rows, want = reference_rows(q, cache, table, req, pos)
+    row = {"c": c, "ctx": ctx, "L": L, "cache": cache_dtype, "ref": bool(torch.equal(out[:, rows].cpu(), want))}
+    key_bytes = c * ctx * 128 * cache.dtype.itemsize
+    row["msa_cold_us"], row["msa_warm_us"] = anchor.cold_us(msa, flush), anchor.warm_us(msa)
+    row["emit_warm_us"] = anchor.warm_us(msa_emit)
+    row["emit_over_topk"] = row["emit_warm_us"] / row["msa_warm_us"]
+    if triton_mod is not None:
+        tout = torch.empty_like(out)
+
+        def triton():
+            triton_mod.minimax_m3_index_decode(q, cache, table, seq, ctx, 16, 0, 1, 1, L, L, out=tout)
+
+        triton()
+        row["same"] = float((tout == out).all(-1).float().mean())
+        row["triton_cold_us"], row["triton_warm_us"] = anchor.cold_us(triton, flush), anchor.warm_us(triton)
+        row["x_cold"] = row["triton_cold_us"] / row["msa_cold_us"]
+        row["x_warm"] = row["triton_warm_us"] / row["msa_warm_us"]
+    for who in ("msa", "triton"):
+        if f"{who}_warm_us" in row:
+            row[f"{who}_GBps"] = key_bytes / row[f"{who}_warm_us"] / 1e3
+            row[f"{who}_pct_copy"] = 100 * row[f"{who}_GBps"] / copy_GBps
+    return row
+
+
+def table(rows) -> str:
+    head = ("| cache | c | ctx | L | cold us Triton / msa (x) | warm us Triton / msa (x) | GB/s msa (% copy) "
+            "| Triton (% copy) | +table | same | ref |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        t = "triton_cold_us" in r
+        cold = f"{r['triton_cold_us']:.1f} / {r['msa_cold_us']:.1f} ({r['x_cold']:.2f})" if t else f"- / {r['msa_cold_us']:.1f}"
+        warm = f"{r['triton_warm_us']:.1f} / {r['msa_warm_us']:.1f} ({r['x_warm']:.2f})" if t else f"- / {r['msa_warm_us']:.1f}"
+        tri = f"{r['triton_GBps']:.0f} ({r['triton_pct_copy']:.0f}%)" if t else "-"
+        lines.append(f"| {r['cache']} | {r['c']} | {r['ctx'] // 1024}K | {r['L']} | {cold} | {warm} | "
+                     f"{r['msa_GBps']:.0f} ({r['msa_pct_copy']:.0f}%) | {tri} | {r['emit_over_topk']:.3f} | "
+                     f"{r.get('same', '-')} | {r['ref']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--build-dir", required=True)
+    p.add_argument("--anchor", default=None, help="a copy of vLLM's minimax_m3 common/ops/index_topk.py")
+    p.add_argument("--cache", default="bf16,fp8_e4m3fn", help="index cache dtypes")
+    p.add_argument("--cases", default=None, help="c:ctx:L,... (default: the grid of CASES)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.indexer: expected a CUDA GPU (the GPU indexer runs on CUDA; gfx942 is compiled only)")
+    cases = CASES if a.cases is None else [tuple(int(x) for x in c.split(":")) for c in a.cases.split(",")]
+    triton_mod = anchor.load_triton_module(a.anchor, "index_topk.py", ("minimax_m3_index_decode",)) if a.anchor else None
+    lib = KernelLibrary("cuda", a.build_dir)
+    device = torch.device("cuda")
+    flush = anchor.write_flusher(device)
+    copy = copy_bandwidth_GBps(device)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for cache_dtype in a.cache.split(","):
+        for c, ctx, L in cases:
+            rows.append(run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy, gen))
+            print(rows[-1], flush=True)
+            torch.cuda.empty_cache()
+    print(f"device copy: {copy:.0f} GB/s (read + written)")
+    print(table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows,
+                       "command": "python -m benchmarks.indexer " + " ".join(argv or sys.argv[1:])}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The indexer's block scores and top-16 as one hand-written GPU-level MLIR text
+(templates/index_topk_gpu.mlir.j2): the same operation as the portable `index_topk`
+(ops/indexer.py, reference.index_topk), the scores never written to memory.
+
+Two dispatches: @score (a workgroup per (split, token): the split's block scores in LDS, then each
+head's top-16 of them into the workspace) and @merge (a workgroup per (token, head): the splits'
+top-16s merged into the row's). GPU targets only (llvm-cpu cannot lower gpu.thread_id); the host
+runs the portable kernel. Compiled for CUDA and gfx942; run on CUDA only (no AMD GPU here).
+
+Shapes: T tokens, H index heads, C index block-table columns (at most 8,192: 1M tokens).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .indexer import check_index_cache_dtype
+from .spec import FP8_FORMAT, MLIR_ELEMENT, TemplateSpec, render_template
+from .tuning import INDEXER, IndexerTuning
+
+MAX_COLUMNS = 128 * 64  # blocks per split (LDS of 128 scores) x splits (@merge: 8 teams of 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexTopkGpuSpec(TemplateSpec):
+    """Operands as the portable IndexTopkSpec's (index_q [T, H, 128], the index cache as [blocks,
+    16384] storage elements, index_block_table [R, C], req_id / abs_pos [T]), then the output topk
+    [H, >= T, 16] int32 (rows < T written) and a workspace (workspace_floats) as the results'
+    storage: the call allocates nothing. cfg as IndexTopkSpec's (num_kv_heads: index heads)."""
+
+    init_blocks: int = 0
+    local_blocks: int = 1
+    tuning: IndexerTuning = INDEXER
+    # also the attend's page table for the picks (@merge writes it): main then takes the attention
+    # group's block table after abs_pos, and sparse_bt [>= T, H, 128], sparse_ctx [>= T, H] int32
+    # between topk and the workspace
+    emit_table: bool = False
+
+    kernel = "index_topk_gpu"
+    template = "index_topk_gpu.mlir.j2"
+    targets = ("cuda", "gfx942")
+    output_storage = True
+    INDEX_HEADS = (1, 2, 4)      # a team of the 8 selects each head's top-16
+
+    def __post_init__(self):
+        check_index_cache_dtype(self.cfg)
+        if self.cfg.num_kv_heads not in self.INDEX_HEADS:
+            raise ValueError(f"num_kv_heads: expected index heads per rank in {self.INDEX_HEADS} for the GPU "
+                             f"indexer, got {self.cfg.num_kv_heads}")
+        if self.cfg.topk != 16:
+            raise ValueError(f"topk: expected 16 for the GPU indexer, got {self.cfg.topk}")
+        if self.init_blocks < 0 or self.local_blocks < 0:
+            raise ValueError(f"init_blocks, local_blocks: expected >= 0, got {self.init_blocks}, {self.local_blocks}")
+
+    @property
+    def written_operands(self) -> tuple:
+        """topk (with emit_table: and the table), then the workspace: a stream launch writes only those."""
+        return (-4, -3, -2, -1) if self.emit_table else (-2, -1)
+
+    @classmethod
+    def supports(cls, cfg) -> bool:
+        return cfg.num_kv_heads in cls.INDEX_HEADS and cfg.topk == 16 and cfg.kv_dtype in ("bf16", "fp8_e4m3fn")
+
+    @property
+    def variant(self):
+        c, t = self.cfg, self.tuning
+        return (f"h{c.num_kv_heads}.{c.kv_dtype}.q{c.query_dtype}.k{c.topk}.init{self.init_blocks}."
+                f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}u{t.key_loads}"
+                + (".emit" if self.emit_table else ""))
+
+    def describe(self) -> dict:
+        return {**super().describe(), "init_blocks": self.init_blocks, "local_blocks": self.local_blocks,
+                "emit_table": self.emit_table, "tuning": dataclasses.asdict(self.tuning)}
+
+    def render(self) -> str:
+        c, t = self.cfg, self.tuning
+        return render_template(self.template, H=c.num_kv_heads, QT=MLIR_ELEMENT[c.query_dtype],
+                               KT=MLIR_ELEMENT[c.kv_dtype], FP8=FP8_FORMAT.get(c.kv_dtype), AMDCVT=False,
+                               INIT=self.init_blocks, LOCAL=self.local_blocks, MIN_BPS=t.min_blocks_per_split,
+                               MAX_SPLITS=t.max_splits, U=t.key_loads, EMIT=self.emit_table)
+
+    def workspace_floats(self, num_tokens: int, columns: int) -> int:
+        """32-bit words of the workspace for num_tokens tokens over `columns` block-table columns:
+        each split's 16 picks (key and block id) per (token, head)."""
+        return 2 * num_tokens * self.cfg.num_kv_heads * self.tuning.splits(columns) * 16
