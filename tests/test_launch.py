@@ -299,3 +299,23 @@ def test_only_decode_with_one_token_a_sequence_reads_each_page_once():
         assert cls(cfg, 16, read_once=True).name == cls(cfg, 16).name
     with pytest.raises(ValueError, match="read_once: expected only for a page-table attend"):
         K.SparseAttnDecodeMmaSpec(cfg, 16, read_once=True)
+
+
+def test_an_operand_off_the_binding_alignment_is_refused_by_name(build):
+    """IREE compiles a kernel taking its bindings 16-byte aligned (and may load two neighbouring
+    elements as one vector): a stream launch, bound or not, refuses an operand elsewhere instead
+    of faulting or reading the wrong bytes."""
+    out, kernels = build
+    entry = kernels[MMA.name]
+    driver = _RecordingDriver()
+    sk = StreamKernel(MMA.name, (out / entry["file"]).read_bytes(), (out / entry["launch_plan"]["file"]).read_text(),
+                      driver, dependent_launch=False)
+    driver.sk = sk
+    ops = _mma_operands(8, 1)
+    seq = torch.zeros(9, dtype=torch.int32)[1:]  # a view 4 bytes into its storage
+    with pytest.raises(ValueError, match=rf"{MMA.name}: expected operand 5 at a 16-byte aligned address"):
+        sk([*ops[:5], seq, *ops[6:]], 77)
+    bound = sk.bind(ops, variable=(0, 3, 9))
+    with pytest.raises(ValueError, match="expected operand at address index 1 at a 16-byte aligned address"):
+        bound(77, ops[0].data_ptr(), ops[3].data_ptr() + 4, ops[9].data_ptr())
+    assert not driver.launched

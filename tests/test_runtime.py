@@ -230,6 +230,8 @@ def test_a_step_of_the_same_shape_lands_at_the_same_addresses():
 
     one = step(0, 100)
     addresses = [t.data_ptr() for t in tensors(one)]
+    # every one 64-byte aligned: the compiled kernels take their operands aligned
+    assert [a % 64 for a in addresses] == [0] * len(addresses)
     two = step(30, 200)
     assert [t.data_ptr() for t in tensors(two)] == addresses
     assert two.decode.block_table[0].tolist() == list(range(30, 38))
@@ -238,6 +240,7 @@ def test_a_step_of_the_same_shape_lands_at_the_same_addresses():
     assert two.page16_slot_mapping.tolist()[:3] == [30 * 128 + 299 + 32 * 128, 30 * 128 + 128 + 31 * 128, -1]
     assert two.prefill.query_abs_pos.tolist() == [200, 201, 202, 203, 204]
     assert two.prefill.context_lens.tolist() == [200] and two.prefill.cu_seqlens_q.tolist() == [0, 5]
+    assert two.prefill.block_table.tolist() == [list(range(46, 54))] and two.prefill.seq_lens.tolist() == [205]
     assert two.prefill.query_req_id.tolist() == [0] * 5
     # every token's request in the step and position: two decodes, then the prefill's five
     assert two.token_req_id.tolist() == [0, 1, 2, 2, 2, 2, 2]

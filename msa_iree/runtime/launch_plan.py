@@ -84,6 +84,17 @@ class DispatchPlan:
         return dispatches
 
 
+# IREE compiles a kernel taking its bindings 16-byte aligned (the pointers' `align 16`), and may
+# load neighbouring elements as one vector: an operand elsewhere faults (CUDA: misaligned address)
+BINDING_ALIGNMENT = 16
+
+
+def check_alignment(name, operand, address: int):
+    if address % BINDING_ALIGNMENT:
+        raise ValueError(f"{name}: expected operand {operand} at a {BINDING_ALIGNMENT}-byte aligned address (the "
+                         f"compiled kernels take their bindings aligned), got {address:#x}; pass a contiguous copy")
+
+
 def queue(driver, name, launches, stream: int):
     """Queue `launches` (their argument blocks written) on `stream`, in order; a failed launch raises."""
     lib = driver.lib
@@ -119,6 +130,7 @@ class PlannedKernel:
         for d in launches:
             for slot, (k, offset) in zip(d.pointers, d.bindings):
                 slot.value = tensors[k].data_ptr() + offset
+                check_alignment(self.name, k, slot.value)
         queue(self.driver, self.name, launches, stream)
 
     def bind(self, tensors, variable):
@@ -142,6 +154,7 @@ class BoundLaunch:
         for d in self._launches:
             for slot, (k, offset) in zip(d.pointers, d.bindings):
                 slot.value = tensors[k].data_ptr() + offset
+                check_alignment(self.name, k, slot.value)
                 if k in variable:
                     self._moving.append((slot, variable.index(k), offset))
 
@@ -149,5 +162,7 @@ class BoundLaunch:
         """Queue the kernels on `stream` with the variable operands at `addresses` (data_ptr()s, in
         the order of `variable`)."""
         for slot, i, offset in self._moving:
-            slot.value = addresses[i] + offset
+            slot.value = address = addresses[i] + offset
+            if address % BINDING_ALIGNMENT:
+                check_alignment(self.name, f"at address index {i}", address)
         queue(self._driver, self.name, self._launches, stream)

@@ -116,6 +116,28 @@ def _used_extremes(block_table, need) -> tuple[int, int]:
             int(np.minimum.reduceat(flat, spans)[0::2][used].min()))
 
 
+ALIGN = 16  # int32 elements: every tensor a step hands the kernels starts 64-byte aligned
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _aligned_starts(sizes) -> list[int]:
+    """Where consecutive segments of `sizes` elements start, each on an ALIGN boundary."""
+    starts, at = [], 0
+    for size in sizes:
+        starts.append(at)
+        at = _aligned(at + size)
+    return starts
+
+
+def _input_starts(b: int, cols: int, nd: int) -> list[int]:
+    """Where the input buffer's qsl, seq_lens, computed, block table, the prefills' seq_lens and
+    block table (a copy of their rows, so that they start aligned too) and slots start."""
+    return _aligned_starts([b + 1, b, b, b * cols, b - nd, (b - nd) * cols, 0])
+
+
 class _StepLayout:
     """Where the tensors of one step shape live in the builder's buffers: the views that every
     step of the shape reuses (making them costs more host time than the rest of a decode step's
@@ -124,24 +146,34 @@ class _StepLayout:
     The input buffer holds the step's inputs as given, [qsl | seq_lens | computed | block table |
     slots]; the derived buffer what the builder works out on the host, [page-16 block table |
     page-16 slots | slots | cu_seqlens_q | context_lens | query_req_id | query_abs_pos | every
-    token's request | every token's position | the portable insert's rows].
+    token's request | every token's position | the prefills' page-16 block table | the
+    portable insert's rows]. Each tensor starts on an ALIGN-element (64-byte) boundary: the
+    compiled kernels take their operands' addresses as aligned (IREE's bindings are 16-byte
+    aligned, and a kernel may load two neighbours at once); so the prefills' rows of the block
+    tables and seq_lens are copies of their own, not views into the whole step's.
     """
 
     def __init__(self, builder, shape):
         b, cols, n_slots, n, nd, L = shape
         num_prefills, n_prefill = b - nd, n - nd * L
+        names = ["page16", "page16_slots", "slots"] + (["cu", "ctx", "qreq", "qpos"] if num_prefills else []) \
+            + ["req", "pos", "page16_prefill"]
         sizes = [b * cols, n, n] + ([num_prefills + 1, num_prefills, n_prefill, n_prefill] if num_prefills else []) \
-            + [n, n]
-        self.n_derived = sum(sizes)
+            + [n, n, num_prefills * cols]
+        self.at = dict(zip(names, _aligned_starts(sizes)))  # name -> its first element in the derived buffer
+        self.n_derived = _aligned(self.at[names[-1]] + sizes[-1])
         self.derived, self.host_derived = builder._derived[:self.n_derived], builder._host_derived[:self.n_derived]
-        views = torch.split(self.derived, sizes)
+        views = [self.derived[self.at[k]:self.at[k] + size] for k, size in zip(names, sizes)]
         page16, self.page16_slots, self.slots = views[0].view(b, cols), views[1], views[2]
-        self.prefill_views, (self.token_req_id, self.token_abs_pos) = views[3:-2], views[-2:]
-        seq_lens = builder._inputs[b + 1:2 * b + 1]
-        block_table = builder._inputs[3 * b + 1:3 * b + 1 + b * cols].view(b, cols)
+        self.prefill_views, (self.token_req_id, self.token_abs_pos) = views[3:-3], views[-3:-1]
+        at = _input_starts(b, cols, nd)
+        seq_lens = builder._inputs[at[1]:at[1] + b]
+        block_table = builder._inputs[at[3]:at[3] + b * cols].view(b, cols)
         self.block_table = block_table
         self.decode = (block_table[:nd], seq_lens[:nd], page16[:nd]) if nd else None
-        self.prefill = (block_table[nd:], seq_lens[nd:], page16[nd:]) if num_prefills else None
+        self.prefill = (builder._inputs[at[5]:at[5] + num_prefills * cols].view(num_prefills, cols),
+                        builder._inputs[at[4]:at[4] + num_prefills], views[-1].view(num_prefills, cols)) \
+            if num_prefills else None
         self.token_index = builder._token_index[:n]
         step = (block_table, seq_lens, page16, self.slots, self.token_index, *self.prefill_views,
                 self.token_req_id, self.token_abs_pos)
@@ -179,7 +211,7 @@ class MetadataBuilder:
         self._layouts = {}
         self._copy_stream = None  # on a GPU: the stream of the last copy of the derived values to the device
         tokens = max_num_tokens or max_num_seqs * 8
-        self._allocate_inputs(max_num_seqs * (self.max_cols + 3) + 1 + tokens)
+        self._allocate_inputs(max_num_seqs * (self.max_cols + 3) + 1 + tokens + 5 * ALIGN)
         self._allocate_derived(tokens)
 
     # ---- the buffers: on a GPU each with a pinned host twin, on the host the buffer itself ----
@@ -207,9 +239,17 @@ class MetadataBuilder:
     def _allocate_derived(self, tokens):
         self.max_tokens = tokens
         # vLLM's page-16 table (at most [max_num_seqs, cdiv(max_model_len, 128)]), then the per-token values
-        self._derived, self._host_derived = self._buffer(self.max_num_seqs * (self.max_cols + 2) + 1 + 8 * tokens)
+        self._derived, self._host_derived = self._buffer(self.max_num_seqs * (self.max_cols + 2) + 1 + 8 * tokens
+                                                         + 12 * ALIGN)
         self._token_index = torch.arange(tokens, dtype=torch.int32, device=self.device)
         self._layouts.clear()
+
+    def _padding(self, device):
+        """ALIGN zeros on `device` (the gaps between the staged inputs), made once."""
+        pad = getattr(self, "_pad", None)
+        if pad is None or pad.device != device:
+            pad = self._pad = torch.zeros(ALIGN, dtype=torch.int32, device=device)
+        return pad
 
     def _raw_stream(self) -> int:
         index = self.device.index
@@ -350,9 +390,16 @@ class MetadataBuilder:
                          slot_mapping)
         b, cols = block_table.shape
         n_slots = 0 if slot_mapping is None else slot_mapping.shape[0]
-        # the inputs into the input buffer, then to the host in one transfer
-        stage, host_stage, host = self._stage(3 * b + 1 + b * cols + n_slots)
-        parts = [query_start_loc, seq_lens, num_computed_tokens, block_table.reshape(-1)]
+        # the inputs into the input buffer (each part aligned), then to the host in one transfer
+        nd = num_decodes
+        at = _input_starts(b, cols, nd)
+        stage, host_stage, host = self._stage(at[6] + n_slots)
+        pad = self._padding(block_table.device)
+        given = [query_start_loc, seq_lens, num_computed_tokens, block_table.reshape(-1), seq_lens[nd:],
+                 block_table[nd:].reshape(-1)]
+        parts = []
+        for i, t in enumerate(given):
+            parts += [t, pad[:at[i + 1] - at[i] - t.shape[0]]]
         if slot_mapping is not None:
             parts.append(slot_mapping)
         if block_table.device == stage.device:
@@ -361,14 +408,13 @@ class MetadataBuilder:
             stage.copy_(torch.cat(parts))
         if self._host_inputs is not self._inputs:
             host_stage.copy_(stage)  # waits for the stream's work: the last step's copy back included
-        small = host[:3 * b + 1].astype(np.int64)
-        qsl, seq, computed = small[:b + 1], small[b + 1:2 * b + 1], small[2 * b + 1:]
+        qsl, seq, computed = (host[a:a + k].astype(np.int64) for a, k in zip(at, (b + 1, b, b)))
         qlens, num_decode_tokens, n = self._split(qsl, seq, computed, decode_query_len, num_decodes,
                                                   num_actual_tokens)
         if slot_mapping is not None and n_slots < n:
             raise ValueError(f"slot_mapping: expected at least num_tokens={n} entries, got {n_slots}")
-        host_bt = host[3 * b + 1:3 * b + 1 + b * cols].reshape(b, cols)
-        host_slots = host[3 * b + 1 + b * cols:][:n].astype(np.int64) if n_slots else np.full(n, -1, np.int64)
+        host_bt = host[at[3]:at[3] + b * cols].reshape(b, cols)
+        host_slots = host[at[6]:at[6] + n].astype(np.int64) if n_slots else np.full(n, -1, np.int64)
         max_block, max_slot = self._check_ids(host_bt, seq, host_slots)
 
         layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
@@ -379,10 +425,11 @@ class MetadataBuilder:
         else:  # the portable writer takes the written tokens only, after the layout's derived values
             keep = np.flatnonzero(host_slots >= 0)
             m, lo = keep.shape[0], layout.n_derived
+            hi = lo + _aligned(m)
             out = self._host_derived.numpy()
-            out[lo:lo + m], out[lo + m:lo + 2 * m] = keep, host_slots[keep]
-            count = lo + 2 * m
-            token_index, insert_slots = self._derived[lo:lo + m], self._derived[lo + m:lo + 2 * m]
+            out[lo:lo + m], out[hi:hi + m] = keep, host_slots[keep]
+            count = hi + m
+            token_index, insert_slots = self._derived[lo:lo + m], self._derived[hi:hi + m]
         self._copy_back(layout, count)
 
         decode = prefill = None
@@ -405,30 +452,33 @@ class MetadataBuilder:
         request's are below 0). Returns their count."""
         if self._copy_stream is not None and self._copy_stream != self._raw_stream():
             torch.cuda.synchronize(self.device)  # the last copy back went on another stream: let it finish
-        out = layout.host_derived.numpy()
+        out, at = layout.host_derived.numpy(), layout.at
         n, m = slots.shape[0], block_table.size
-        np.multiply(block_table.reshape(-1), 2, out=out[:m])  # reference.rebase_block_table_to_page16
+        # reference.rebase_block_table_to_page16 (the prefills' rows again, at their own start)
+        np.multiply(block_table.reshape(-1), 2, out=out[at["page16"]:at["page16"] + m])
+        p16_prefill = block_table.shape[1] * qlens.shape[0]
+        out[at["page16_prefill"]:at["page16_prefill"] + p16_prefill] = out[at["page16"] + m - p16_prefill:at["page16"] + m]
         # reference.rebase_slots_to_page16: slot + its block's first slot (block * 128), < 0 kept
-        out[m:m + n] = slots + (np.maximum(slots, 0) & -BLOCK_SIZE)
-        out[m + n:m + 2 * n] = slots
+        out[at["page16_slots"]:at["page16_slots"] + n] = slots + (np.maximum(slots, 0) & -BLOCK_SIZE)
+        out[at["slots"]:at["slots"] + n] = slots
         nd = decode_seq.shape[0] * L
-        lo = layout.n_derived - 2 * n  # every token's request, then its position
+        req_of, pos_of = out[at["req"]:at["req"] + n], out[at["pos"]:at["pos"] + n]  # every token's
         t = np.arange(nd)
-        out[lo:lo + nd] = t // L
-        out[lo + n:lo + n + nd] = decode_seq[t // L] - L + t % L
+        req_of[:nd] = t // L
+        pos_of[:nd] = decode_seq[t // L] - L + t % L
         if qlens.size:
-            p, at = qlens.shape[0], m + 2 * n
-            cu = out[at:at + p + 1]
+            p = qlens.shape[0]
+            cu = out[at["cu"]:at["cu"] + p + 1]
             cu[0] = 0
             np.cumsum(qlens, out=cu[1:])
-            out[at + p + 1:at + 2 * p + 1] = computed
+            out[at["ctx"]:at["ctx"] + p] = computed
             req = np.repeat(np.arange(p), qlens)  # reference.query_token_positions
             n_prefill = req.shape[0]
-            at += 2 * p + 1
-            out[at:at + n_prefill] = req
-            out[at + n_prefill:at + 2 * n_prefill] = computed[req] + np.arange(n_prefill) - cu[req]
-            out[lo + nd:lo + n] = req + decode_seq.shape[0]
-            out[lo + n + nd:lo + 2 * n] = out[at + n_prefill:at + 2 * n_prefill]
+            out[at["qreq"]:at["qreq"] + n_prefill] = req
+            qpos = out[at["qpos"]:at["qpos"] + n_prefill]
+            qpos[:] = computed[req] + np.arange(n_prefill) - cu[req]
+            req_of[nd:] = req + decode_seq.shape[0]
+            pos_of[nd:] = qpos
         return layout.n_derived
 
     def _copy_back(self, layout, count):
