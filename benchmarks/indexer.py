@@ -29,6 +29,7 @@ from msa_iree import reference as R
 from msa_iree.config import DTYPES
 from msa_iree.ops import IndexTopkGpuSpec
 from msa_iree.ops.indexer import indexer_config
+from msa_iree.ops.tuning import INDEXER
 from msa_iree.runtime import KernelLibrary
 
 from . import anchor
@@ -64,12 +65,13 @@ def reference_rows(q, cache, table, req, pos, request=0):
 def run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy_GBps, gen):
     device = torch.device("cuda")
     q, cache, table, seq, req, pos = decode_case(c, ctx, L, cache_dtype, device, gen)
-    spec = IndexTopkGpuSpec(indexer_config(1, cache_dtype, "bf16"))
+    # a decode step's L tokens of a request scored together, as runtime.Indexer serves them
+    spec = IndexTopkGpuSpec(indexer_config(1, cache_dtype, "bf16"), rows=INDEXER.rows_for(L, 1))
     raw = (cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache).view(cache.shape[0], -1)
     out = torch.empty(1, c * L, 16, dtype=torch.int32, device=device)
     ws = torch.empty(spec.workspace_floats(c * L, table.shape[1]), device=device)
 
-    emit = IndexTopkGpuSpec(spec.cfg, emit_table=True)
+    emit = IndexTopkGpuSpec(spec.cfg, emit_table=True, rows=spec.rows)
     sbt = torch.empty(c * L, 1, 128, dtype=torch.int32, device=device)
     sctx = torch.empty(c * L, 1, dtype=torch.int32, device=device)
 

@@ -96,7 +96,7 @@ def _indexer_specs(args, cfg, target) -> list:
 
     try:
         cfg = indexer_config(cfg.num_kv_heads, args.index_cache_dtype, cfg.query_dtype)
-        return indexer_set(cfg, target, args.index_init_blocks, args.index_local_blocks).specs()
+        return indexer_set(cfg, target, args.index_init_blocks, args.index_local_blocks, args.decode_query_lens).specs()
     except ValueError as e:
         raise UsageError(f"--index-cache-dtype / --index-init-blocks / --index-local-blocks: {e}") from None
 

@@ -17,6 +17,9 @@ GPU_DECODE_CASES = (
 # serving simulations through SparseAttention on the GPU: (kv dtype, query dtype, layout, kv heads, scale mode)
 # the hand-written indexer's cases: (index heads, index cache dtype, init blocks, local blocks)
 GPU_INDEXER_CASES = [(1, "bf16", 0, 1), (2, "bf16", 1, 1), (4, "fp8_e4m3fn", 2, 0), (1, "fp8_e4m3fn", 0, 1)]
+# ... a decode step's tokens of a request scored together: (index heads, cache dtype, L = rows, emit_table)
+GPU_INDEXER_ROW_CASES = [(1, "bf16", 4, False), (1, "fp8_e4m3fn", 3, True), (2, "bf16", 2, False),
+                         (1, "fp8_e4m3fn", 4, False), (1, "bf16", 2, True)]
 
 GPU_SERVING_CASES = (
     ("bf16", "bf16", "interleaved", 1, "tensor"),
@@ -76,5 +79,8 @@ def gpu_test_specs():
     for heads, kv, init, local in GPU_INDEXER_CASES:
         specs += [IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, init, local, emit_table=emit)
                   for emit in (False, True)]
-    specs += indexer_set(indexer_config(1, "bf16", "bf16"), "cuda").specs()  # runtime.Indexer's
+    for heads, kv, L, emit in GPU_INDEXER_ROW_CASES:
+        specs.append(IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, 0, 1, emit_table=emit, rows=L))
+    for kv in ("bf16", "fp8_e4m3fn"):  # runtime.Indexer's, and the benchmark's
+        specs += indexer_set(indexer_config(1, kv, "bf16"), "cuda").specs()
     return list({s.name: s for s in specs}.values())

@@ -1037,6 +1037,44 @@ def test_the_gpu_indexer_emits_the_attends_table_in_the_same_launch(cuda_kernels
     assert sbt[n:].eq(-7).all() and sctx[n:].eq(-7).all()
 
 
+@pytest.mark.parametrize("heads, cache_dtype, L, emit", gpu_cases.GPU_INDEXER_ROW_CASES)
+def test_the_gpu_indexer_scores_a_requests_decode_tokens_together(cuda_kernels, heads, cache_dtype, L, emit):
+    """rows = L: a workgroup scores one request's L decode tokens from each key load, each token
+    with its own position, candidates and forced blocks: ids and order (and with emit_table the
+    attend's table) exactly the reference's, for tokens that straddle a block edge, a padded
+    request, a request of fewer than 16 blocks ending at a block edge and one of 1,000 blocks."""
+    from msa_iree.ops import IndexTopkGpuSpec
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(100 * L + heads)
+    cols = 1000
+    cache = torch.randn(cols + 100, 128, 128, generator=gen).to(DTYPES[cache_dtype])
+    table = torch.randint(0, cols + 100, (4, cols), generator=gen, dtype=torch.int32)
+    attend_bt = torch.randint(0, 5000, (4, cols), generator=gen, dtype=torch.int32)
+    seq = [128 + L // 2, 0, 5 * 128, cols * 128 - 3]
+    pos = torch.tensor([s - L + i if s else -1 for s in seq for i in range(L)], dtype=torch.int32)
+    req = torch.arange(4, dtype=torch.int32).repeat_interleave(L)
+    n = len(pos)
+    q = torch.randn(n, heads, 128, generator=gen).to(torch.bfloat16)
+    want = R.index_topk(q, cache, table, req, pos)
+    spec = IndexTopkGpuSpec(indexer_config(heads, cache_dtype, "bf16"), rows=L, emit_table=emit)
+    raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    topk = torch.full((heads, n, 16), -7, dtype=torch.int32, device=dev)
+    outs = [topk]
+    extra = [attend_bt.to(dev)] if emit else []
+    if emit:
+        outs += [torch.full((n, heads, 128), -7, dtype=torch.int32, device=dev),
+                 torch.full((n, heads), -7, dtype=torch.int32, device=dev)]
+    ws = torch.empty(spec.workspace_floats(n, cols), device=dev)
+    cuda_kernels.run(spec, q.to(dev), raw.reshape(raw.shape[0], -1).to(dev), table.to(dev), req.to(dev), pos.to(dev),
+                     *extra, out=[*outs, ws])
+    assert torch.equal(topk.cpu(), want)
+    if emit:
+        want_bt, want_ctx = R.build_sparse_block_table_prefill(want, attend_bt, req, pos, 16)
+        assert torch.equal(outs[1].reshape(n * heads, -1).cpu(), want_bt)
+        assert torch.equal(outs[2].reshape(n * heads).cpu(), want_ctx)
+
+
 def test_the_gpu_indexer_ranks_the_hand_made_request(cuda_kernels):
     """Block 0 scores 1, blocks 1 and 2 tie at 3, block 3 holds a NaN, block 4 scores -5, the own
     block (4) forced local: [4, 1, 2, 0, 3, -1, ...] (test_indexer_kernel's vector)."""
@@ -1094,7 +1132,7 @@ def test_the_indexer_serves_the_gpu_kernel_on_the_step_metadata(cuda_kernels):
     n = int(qsl[-1])
     index_q = torch.randn(n, 1, 128, generator=gen).to(torch.bfloat16)
     indexer = Indexer(1, torch.bfloat16, kernels=cuda_kernels)
-    assert indexer.specs.topk_gpu is not None
+    assert indexer.specs.gpu() is not None
     want = R.index_topk(index_q, cache, index_bt, req, pos)
     out = torch.full((1, n + 4, 16), -7, dtype=torch.int32, device=dev)
     got = indexer.topk(index_q.to(dev), cache.to(dev), md, out=out)
@@ -1102,6 +1140,16 @@ def test_the_indexer_serves_the_gpu_kernel_on_the_step_metadata(cuda_kernels):
     assert torch.equal(indexer.topk(index_q.to(dev), cache.to(dev), md).cpu(), want)
     with pytest.raises(ValueError, match=r"out: expected a contiguous \[1, >= 132, 16\] int32 tensor"):
         indexer.topk(index_q.to(dev), cache.to(dev), md, out=out[:, :n - 1])
+    # a decode-only step of 2 tokens a request: each request's tokens scored together
+    q2 = torch.tensor([2, 2, 2], dtype=torch.int32)
+    qsl2 = torch.cat([torch.zeros(1, dtype=torch.int32), q2.cumsum(0).int()])
+    seq2 = seq + 2
+    md2 = builder.build(index_bt.to(dev), seq2.to(dev), qsl2.to(dev), seq.to(dev), 2, 3)
+    assert indexer._gpu_spec(md2, index_q[:6].to(dev)).rows == 2
+    req2 = torch.arange(3, dtype=torch.int32).repeat_interleave(2)
+    pos2 = torch.tensor([int(s) - 2 + i for s in seq2 for i in range(2)], dtype=torch.int32)
+    assert torch.equal(indexer.topk(index_q[:6].to(dev), cache.to(dev), md2).cpu(),
+                       R.index_topk(index_q[:6], cache, index_bt, req2, pos2))
     # the top-k and the attend's table in one launch, through the attention group's metadata
     kv_bt = torch.tensor([[20, 21, 22, 23, 24], [30, 31, 32, 33, 34], [40, 41, 42, 43, 44]], dtype=torch.int32)
     kv_md = MetadataBuilder(4, 1024, num_cache_blocks=64, kernels=cuda_kernels, device=dev).build(

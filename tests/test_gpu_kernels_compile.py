@@ -47,7 +47,9 @@ PAGED_CUDA = [K.SparseAttnPagedMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16),
 INDEXER = [K.IndexTopkSpec(MsaConfig(kv_dtype="bf16")), K.IndexTopkSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 1, 1)]
 GPU_INDEXER = [K.IndexTopkGpuSpec(MsaConfig(kv_dtype="bf16")),
                K.IndexTopkGpuSpec(MsaConfig(num_heads=64, num_kv_heads=4, kv_dtype="fp8_e4m3fn"), 16, 1, 1),
-               K.IndexTopkGpuSpec(MsaConfig(kv_dtype="bf16"), 16, 0, 1, emit_table=True)]
+               K.IndexTopkGpuSpec(MsaConfig(kv_dtype="bf16"), 16, 0, 1, emit_table=True),
+               K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 0, 1, rows=4),
+               K.IndexTopkGpuSpec(MsaConfig(num_heads=32, num_kv_heads=2, kv_dtype="bf16"), 16, 0, 1, rows=2)]
 
 
 @pytest.mark.parametrize("spec", DECODE + INSERT + PAGED_CUDA + INDEXER + GPU_INDEXER, ids=lambda s: s.name)
@@ -120,8 +122,9 @@ def test_the_portable_indexer_compiles_for_gfx942(tmp_path):
 
 def test_gfx942_indexer_isa(tmp_path):
     """The hand-written indexer on gfx942 (compiled, never run here), with and without the table
-    emission: two dispatches, no scratch, >= 4 waves per SIMD, the bf16 keys read in 16-byte loads
-    (fp8: 8-byte), no score tensor between the dispatches (@merge reads only the picks)."""
+    emission, one token or a decode step's tokens of a request a workgroup: two dispatches, no
+    scratch, >= 4 waves per SIMD, the keys read in 16-byte loads, no score tensor between the
+    dispatches (@merge reads only the picks)."""
     C.build(None, ["gfx942"], tmp_path, specs=GPU_INDEXER, log=lambda m: None)
     report = {r["kernel"]: r for r in kernel_report(tmp_path)}
     for spec in GPU_INDEXER:
@@ -129,8 +132,7 @@ def test_gfx942_indexer_isa(tmp_path):
         assert report[spec.name]["dispatches"] == 2 and set(functions) == {"score", "merge"}
         for f in functions.values():
             assert f["scratch_bytes"] == 0 and f["scratch_ops"] == 0 and f["waves_per_simd"] >= 4, (spec.name, f)
-        loads = functions["score"]["global_load_x4" if spec.cfg.kv_dtype == "bf16" else "global_load_x2"]
-        assert loads >= spec.tuning.key_loads, functions["score"]
+        assert functions["score"]["global_load_x4"] >= spec.tuning.loads_for(spec.rows, spec.cfg.num_kv_heads), functions["score"]
     text = GPU_INDEXER[0].render()
     merge = text[text.index("func.func @merge"):text.index("func.func @main")]
     # a pick's key (%at*) and block id (%ati*) of each of a lane's 4 entries, nothing else
@@ -156,11 +158,17 @@ def test_the_gpu_indexer_refuses_what_it_cannot_build():
         K.IndexTopkGpuSpec(MsaConfig(num_heads=48, num_kv_heads=3))
     with pytest.raises(ValueError, match="kv_dtype: expected an index cache of bf16 or fp8_e4m3fn, got fp8_e4m3fnuz"):
         K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"))
-    with pytest.raises(ValueError, match="IndexerTuning.key_loads: expected a divisor of 64"):
+    with pytest.raises(ValueError, match="IndexerTuning.key_loads: expected a divisor of 32"):
         K.IndexTopkGpuSpec(MsaConfig(), 16, 0, 1, IndexerTuning(key_loads=6))
     assert K.IndexTopkGpuSpec(MsaConfig(), 16, 0, 1, IndexerTuning(key_loads=4)).name != GPU_INDEXER[0].name
-    assert K.indexer_set(MsaConfig(), "host").topk_gpu is None
-    assert K.indexer_set(MsaConfig(), "gfx942").topk_gpu.name == GPU_INDEXER[0].name
+    assert K.indexer_set(MsaConfig(), "host").topk_gpu == {}
+    gfx = K.indexer_set(MsaConfig(), "gfx942")
+    assert gfx.gpu().name == GPU_INDEXER[0].name and gfx.gpu(1, True).name == GPU_INDEXER[2].name
+    # one index head: each L's tokens together; two: pairs (4 (token, head) pairs at most)
+    assert sorted({rows for rows, _ in gfx.topk_gpu}) == [1, 2, 3, 4]
+    assert sorted({rows for rows, _ in K.indexer_set(MsaConfig(num_heads=32, num_kv_heads=2), "cuda").topk_gpu}) == [1, 2]
+    with pytest.raises(ValueError, match="rows: expected 1..4 tokens a workgroup with rows x index heads <= 8"):
+        K.IndexTopkGpuSpec(MsaConfig(num_heads=64, num_kv_heads=4), rows=3)
 
 
 def test_gfx942_paged_attend_isa(tmp_path):

@@ -27,6 +27,7 @@ from .mma import SparseAttnDecodeMmaSpec, SparseAttnPagedMmaSpec, SparseAttnPref
 from .portable import (BuildDecodeTableSpec, BuildPrefillTableSpec, InsertKvSpec, RebaseBlockTableSpec,
                        RebaseSlotsSpec, SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 from .spec import KernelSpec, TemplateSpec
+from .tuning import INDEXER
 
 PORTABLE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec, BuildDecodeTableSpec, BuildPrefillTableSpec,
                   SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, InsertKvSpec, IndexTopkSpec,
@@ -109,21 +110,30 @@ class IndexerKernels:
     topk: IndexTopkSpec                   # scores and top-k, portable
     insert: IndexCacheInsertSpec          # the index-cache insert, portable
     table: BuildPrefillTableSpec          # the attend's page table for a top-k (page-16 rebase: stride 16)
-    topk_gpu: IndexTopkGpuSpec | None     # scores and top-k, hand-written, where the target and cfg allow
-    topk_gpu_table: IndexTopkGpuSpec | None  # ... and the attend's page table for them, in the same launch
+    # scores and top-k, hand-written, where the target and cfg allow: (rows, emit_table) -> spec
+    # (rows: a decode step's tokens of a request scored together; emit_table: the attend's page
+    # table written by the same launch)
+    topk_gpu: dict = dataclasses.field(default_factory=dict)
+
+    def gpu(self, rows: int = 1, emit_table: bool = False) -> IndexTopkGpuSpec | None:
+        return self.topk_gpu.get((rows, emit_table))
 
     def specs(self) -> list[KernelSpec]:
-        return [s for s in (self.topk, self.insert, self.table, self.topk_gpu, self.topk_gpu_table) if s is not None]
+        return [self.topk, self.insert, self.table, *self.topk_gpu.values()]
 
 
-def indexer_set(cfg: MsaConfig, target=None, init_blocks: int = 0, local_blocks: int = 1) -> IndexerKernels:
+def indexer_set(cfg: MsaConfig, target=None, init_blocks: int = 0, local_blocks: int = 1,
+                decode_query_lens=(1, 2, 3, 4)) -> IndexerKernels:
     """The indexer's kernels for `cfg` (ops.indexer.indexer_config: index heads, index cache dtype)
-    on `target`; init_blocks / local_blocks: MiniMax-M3's sparse_init_block / sparse_local_block."""
-    gpu = target in IndexTopkGpuSpec.targets and IndexTopkGpuSpec.supports(cfg)
+    on `target`; init_blocks / local_blocks: MiniMax-M3's sparse_init_block / sparse_local_block;
+    decode_query_lens: the decode steps' L, each scored in its own rows a workgroup."""
+    gpu = {}
+    if target in IndexTopkGpuSpec.targets and IndexTopkGpuSpec.supports(cfg):
+        for rows in sorted({1} | {INDEXER.rows_for(L, cfg.num_kv_heads) for L in decode_query_lens}):
+            for emit in (False, True):
+                gpu[rows, emit] = IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks, emit_table=emit, rows=rows)
     return IndexerKernels(IndexTopkSpec(cfg, 16, init_blocks, local_blocks), IndexCacheInsertSpec(cfg),
-                          BuildPrefillTableSpec(cfg, 2 * PAGES_PER_BLOCK),
-                          IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks) if gpu else None,
-                          IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks, emit_table=True) if gpu else None)
+                          BuildPrefillTableSpec(cfg, 2 * PAGES_PER_BLOCK), gpu)
 
 
 __all__ = ["ALL_KERNELS", "IndexerKernels", "indexer_set", "GPU_ATTEND", "GPU_PAGED_ATTEND", "GPU_SPECS", "NATIVE_MATRIX", "PORTABLE_SPECS", "GpuAttendSpec", "KernelSpec",

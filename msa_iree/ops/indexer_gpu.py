@@ -34,6 +34,9 @@ class IndexTopkGpuSpec(TemplateSpec):
     # group's block table after abs_pos, and sparse_bt [>= T, H, 128], sparse_ctx [>= T, H] int32
     # between topk and the workspace
     emit_table: bool = False
+    # tokens a workgroup of @score scores together, sharing every key load: a decode step's L
+    # tokens of one request (the rows come in groups of `rows` consecutive tokens of a request)
+    rows: int = 1
 
     kernel = "index_topk_gpu"
     template = "index_topk_gpu.mlir.j2"
@@ -50,6 +53,9 @@ class IndexTopkGpuSpec(TemplateSpec):
             raise ValueError(f"topk: expected 16 for the GPU indexer, got {self.cfg.topk}")
         if self.init_blocks < 0 or self.local_blocks < 0:
             raise ValueError(f"init_blocks, local_blocks: expected >= 0, got {self.init_blocks}, {self.local_blocks}")
+        if not 1 <= self.rows <= 4 or self.rows * self.cfg.num_kv_heads > 8:
+            raise ValueError(f"rows: expected 1..4 tokens a workgroup with rows x index heads <= 8 (a team of the 8 "
+                             f"selects each), got {self.rows} with {self.cfg.num_kv_heads} index heads")
 
     @property
     def written_operands(self) -> tuple:
@@ -64,19 +70,19 @@ class IndexTopkGpuSpec(TemplateSpec):
     def variant(self):
         c, t = self.cfg, self.tuning
         return (f"h{c.num_kv_heads}.{c.kv_dtype}.q{c.query_dtype}.k{c.topk}.init{self.init_blocks}."
-                f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}u{t.key_loads}"
-                + (".emit" if self.emit_table else ""))
+                f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}u{t.loads_for(self.rows, c.num_kv_heads)}"
+                + (f".r{self.rows}" if self.rows > 1 else "") + (".emit" if self.emit_table else ""))
 
     def describe(self) -> dict:
         return {**super().describe(), "init_blocks": self.init_blocks, "local_blocks": self.local_blocks,
-                "emit_table": self.emit_table, "tuning": dataclasses.asdict(self.tuning)}
+                "emit_table": self.emit_table, "rows": self.rows, "tuning": dataclasses.asdict(self.tuning)}
 
     def render(self) -> str:
         c, t = self.cfg, self.tuning
         return render_template(self.template, H=c.num_kv_heads, QT=MLIR_ELEMENT[c.query_dtype],
                                KT=MLIR_ELEMENT[c.kv_dtype], FP8=FP8_FORMAT.get(c.kv_dtype), AMDCVT=False,
                                INIT=self.init_blocks, LOCAL=self.local_blocks, MIN_BPS=t.min_blocks_per_split,
-                               MAX_SPLITS=t.max_splits, U=t.key_loads, EMIT=self.emit_table)
+                               MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads), EMIT=self.emit_table, ROWS=self.rows)
 
     def workspace_floats(self, num_tokens: int, columns: int) -> int:
         """32-bit words of the workspace for num_tokens tokens over `columns` block-table columns:

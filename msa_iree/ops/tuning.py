@@ -93,20 +93,33 @@ class IndexerTuning:
     """The GPU indexer's knobs (templates/index_topk_gpu.mlir.j2). A token's candidate blocks are
     split over workgroups of min_blocks_per_split blocks (one per team of 32 lanes at 8) up to
     max_splits splits, above that C / max_splits blocks each (at most 128: 8,192 columns, 1M
-    tokens); key_loads: 16-byte key loads in flight per lane (8-byte for fp8 caches)."""
+    tokens); key_loads: 16-byte key loads in flight per lane, scoring one token's one head (p
+    (token, head) pairs: key_loads / p, at least 2); max_row_heads: the most (token, head) pairs a
+    workgroup scores together from one key load (a decode step's tokens of a request, as many as
+    divide its L): past 4 gfx942 gives the score more than 128 VGPRs (fewer than 4 waves a SIMD)."""
 
     min_blocks_per_split: int = 8
     max_splits: int = 64
     key_loads: int = 8
+    max_row_heads: int = 4
 
     def __post_init__(self):
         if not (1 <= self.max_splits <= 64 and 1 <= self.min_blocks_per_split <= 128):
             raise ValueError(f"IndexerTuning: expected max_splits in [1, 64] (@merge's 8 teams of 8 splits) and "
                              f"min_blocks_per_split in [1, 128] (LDS of 128 scores), got {self.max_splits}, "
                              f"{self.min_blocks_per_split}")
-        if 64 % self.key_loads:
-            raise ValueError(f"IndexerTuning.key_loads: expected a divisor of 64 (position pairs a block), "
+        if 32 % self.key_loads:
+            raise ValueError(f"IndexerTuning.key_loads: expected a divisor of 32 (a team's loads a block, fp8), "
                              f"got {self.key_loads}")
+
+    def loads_for(self, rows: int, heads: int) -> int:
+        return max(2, self.key_loads // (rows * heads))
+
+    def rows_for(self, decode_query_len: int, num_index_heads: int) -> int:
+        """Tokens of a request scored together in a decode step of L = decode_query_len tokens a
+        request: the most that divide L within max_row_heads (token, head) pairs."""
+        return max(r for r in range(1, 5) if decode_query_len % r == 0 and r * num_index_heads <= self.max_row_heads
+                   or r == 1)
 
     def blocks_per_split(self, columns: int) -> int:
         """Blocks a split scores for a block table of `columns` columns (the template's rule)."""

@@ -23,6 +23,7 @@ from ..ops import indexer_set
 from ..ops.fp8 import storage_dtype
 from ..ops.indexer import indexer_config
 from ..ops.indexer_gpu import MAX_COLUMNS
+from ..ops.tuning import INDEXER
 from .kv_insert import drop_padding
 from .library import KernelLibrary
 from .metadata import MsaMetadata
@@ -73,8 +74,8 @@ class Indexer:
         step's tokens untouched; a captured step's stable buffer), returned whole (the portable
         kernel's result is copied into it)."""
         q, raw = self._checked_q(index_q, index_cache, metadata)
-        gpu = self.specs.topk_gpu
-        if gpu is not None and q.is_cuda:
+        gpu = self._gpu_spec(metadata, q)
+        if gpu is not None:
             h, n = self.cfg.num_kv_heads, q.shape[0]
             topk = self._output_buffer("out", out, (h, n, self.cfg.topk), q.device)
             if n:
@@ -87,6 +88,18 @@ class Indexer:
         out = self._output_buffer("out", out, tuple(topk.shape), topk.device)
         out[:, :topk.shape[1]].copy_(topk)  # the portable kernel allocates its result
         return out
+
+    def _gpu_spec(self, metadata, q, emit_table=False):
+        """The GPU kernel for this step (None: the portable one): a decode-only step's tokens of a
+        request scored together (its rows are L consecutive tokens of each request)."""
+        if not q.is_cuda:
+            return None
+        rows = 1
+        if metadata.prefill is None and metadata.decode is not None:
+            rows = INDEXER.rows_for(metadata.decode.decode_query_len, self.cfg.num_kv_heads)
+            if q.shape[0] % rows:  # padding rows past the requests' tokens
+                rows = 1
+        return self.specs.gpu(rows, emit_table) or self.specs.gpu(1, emit_table)
 
     def _checked_q(self, index_q, index_cache, metadata):
         """(the step's rows of index_q, the cache's storage view) after every per-call check."""
@@ -131,8 +144,8 @@ class Indexer:
         sparse_ctx [>= tokens, H]) int32 contiguous to write the table into (the returned views are
         their first rows, folded to [tokens * H, ...])."""
         q, raw = self._checked_q(index_q, index_cache, metadata)
-        spec = self.specs.topk_gpu_table
-        if spec is None or not q.is_cuda:  # the portable kernels, one after the other
+        spec = self._gpu_spec(metadata, q, emit_table=True)
+        if spec is None:  # the portable kernels, one after the other
             topk = self.topk(index_q, index_cache, metadata, out=out)
             sbt, sctx = self.emit_table(topk, attend_metadata)
             if table_out is None:
