@@ -159,3 +159,21 @@ def test_the_indexer_refuses_bad_calls_by_name(host_kernels):
         indexer.topk(torch.zeros(1, 1, 128, dtype=BF16), cache, None)
     with pytest.raises(ValueError, match=r"out: expected a contiguous \[1, >= 1, 16\] int32 tensor, got shape \(1, 1, 8\)"):
         indexer.topk(torch.zeros(1, 1, 128, dtype=BF16), cache, md, out=torch.zeros(1, 1, 8, dtype=torch.int32))
+
+
+def test_a_missing_indexer_kernel_names_the_command_that_builds_it(tmp_path):
+    """A build without the indexer (msa-iree compile without --index-cache-dtype): the indexer's
+    call is an error naming the command that builds its kernels."""
+    from msa_iree.compile import BuildMismatchError, build
+    from msa_iree.runtime import Indexer, KernelLibrary, MetadataBuilder
+
+    build(None, ["host"], tmp_path, specs=[], log=lambda m: None)
+    lib = KernelLibrary("host", tmp_path)
+    md = MetadataBuilder(2, 512, kernels=KernelLibrary("host", compile_missing=True, log=lambda m: None)).build(
+        torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([129], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([128], dtype=torch.int32), 1, 1)
+    indexer = Indexer(1, FN, init_blocks=1, kernels=lib)
+    with pytest.raises(BuildMismatchError, match=r"index_topk\.h1\.fp8_e4m3fn.* build it with `msa-iree compile "
+                                                 r"--target host .*--index-cache-dtype fp8_e4m3fn --index-init-blocks 1 "
+                                                 r"--index-local-blocks 1 --out "):
+        indexer.topk(torch.zeros(1, 1, 128, dtype=BF16), torch.zeros(2, 128, 128, dtype=FN), md)

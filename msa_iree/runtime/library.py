@@ -78,15 +78,23 @@ def _current_raw_stream(device_index: int) -> int:
 def build_command(spec: KernelSpec, target: str, out=None) -> str:
     """The `msa-iree compile` command whose kernel set holds `spec` (for a kernel outside every
     set, the call that builds it alone)."""
-    from ..ops import kernel_set
+    from ..ops import indexer_set, kernel_set
+    from ..ops.indexer import indexer_config
 
     c = spec.cfg
-    if spec.name not in {s.name for s in kernel_set(c, decode_query_lens=(1, 2, 3, 4, c.decode_query_len),
-                                                    target=target)}:
+    lens = (1, 2, 3, 4, c.decode_query_len)
+    attend = spec.name in {s.name for s in kernel_set(c, decode_query_lens=lens, target=target)}
+    index_cfg = indexer_config(c.num_kv_heads, c.kv_dtype, c.query_dtype)
+    forced = (getattr(spec, "init_blocks", 0), getattr(spec, "local_blocks", 1))
+    index = not attend and spec.name in {s.name for s in indexer_set(index_cfg, target, *forced).specs()}
+    if not attend and not index:
         return (f"msa_iree.compile.build(None, [{target!r}], {str(out or 'build')!r}, specs=[spec]) for this spec "
                 "(no `msa-iree compile` kernel set holds it)")
+    kv = "fp8" if index else c.kv_dtype  # an indexer kernel's kv_dtype is its index cache's
     cmd = [f"msa-iree compile --target {target} --num-heads {c.num_heads} --num-kv-heads {c.num_kv_heads} "
-           f"--kv-dtype {c.kv_dtype} --query-dtype {c.query_dtype}"]
+           f"--kv-dtype {kv} --query-dtype {c.query_dtype}"]
+    if index:
+        cmd.append(f"--index-cache-dtype {c.kv_dtype} --index-init-blocks {forced[0]} --index-local-blocks {forced[1]}")
     if c.decode_query_len not in (1, 2, 3, 4):
         cmd.append(f"--decode-query-lens 1,2,3,4,{c.decode_query_len}")
     if out is not None:

@@ -38,8 +38,9 @@ HEAD_SIZE, TOPK_BLOCKS, SPARSE_BLOCK = 128, 16, 128
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 # what install() replaces, kept to defer to and to restore (tests)
 _VLLM = {}
-# the selector's last decision: the model's layer asks its page-16 gate right after selecting
-_SELECTED = {"msa_iree": False}
+# the selectors' last decisions: the model's layer asks its page-16 gate right after selecting its
+# attention; the model asks it (emitting a table) right after selecting its indexer
+_SELECTED = {"msa_iree": False, "indexer": False}
 
 
 def check_vllm_version():
@@ -267,9 +268,10 @@ def select_main_backend_and_impl_cls(*, topk_blocks, kv_cache_dtype, num_kv_head
 
 def use_page16_path(num_kv_heads, *, emits_sparse_block_table=False):
     """The model's `minimax_m3_use_aiter_sparse_pa` (asked by a layer right after it selected its
-    backend): True, the page-16 cache views and K/V write, where the selection was msa-iree's,
-    for any number of KV heads per rank; vLLM's own answer otherwise."""
-    if _SELECTED["msa_iree"]:
+    backend, and by the model right after it selected its table-emitting indexer): True, the
+    page-16 cache views and K/V write, where the selection was msa-iree's, for any number of KV
+    heads per rank; vLLM's own answer otherwise."""
+    if _SELECTED["msa_iree"] or (emits_sparse_block_table and _SELECTED["indexer"]):
         return True
     return _VLLM["gate"](num_kv_heads, emits_sparse_block_table=emits_sparse_block_table)
 
@@ -293,29 +295,43 @@ def _insert_kv(layer, k, v, index_k, slot_mapping, index_slot_mapping, key_cache
 
 
 def install():
-    """Route vLLM's MiniMax-M3 selection through msa-iree: the selector where it is defined and
-    where the ROCm model imported it by name, the model's page-16 gate, and its K/V write."""
+    """Route vLLM's MiniMax-M3 selection through msa-iree: the attention selector where it is
+    defined and where the ROCm model imported it by name, the table-emitting indexer's selector
+    where the ROCm model and its MTP layer imported it (msa_iree.vllm.indexer), the model's page-16
+    gate, and its K/V write."""
     from vllm.models.minimax_m3.amd import model as amd_model
+    from vllm.models.minimax_m3.amd import mtp as amd_mtp
+
+    from . import indexer
 
     if _VLLM:
         return
     _VLLM.update(select=_common.select_main_backend_and_impl_cls, gate=amd_model.minimax_m3_use_aiter_sparse_pa,
-                 insert=amd_model.MiniMaxM3SparseAttention._insert_aiter_sparse_pa_kv)
+                 insert=amd_model.MiniMaxM3SparseAttention._insert_aiter_sparse_pa_kv,
+                 select_indexer=amd_model.select_msa_indexer_impl_cls)
 
     _common.select_main_backend_and_impl_cls = select_main_backend_and_impl_cls
     amd_model.select_main_backend_and_impl_cls = select_main_backend_and_impl_cls
+    amd_model.select_msa_indexer_impl_cls = indexer.select_msa_indexer_impl_cls
+    amd_mtp.select_msa_indexer_impl_cls = indexer.select_msa_indexer_impl_cls
     amd_model.minimax_m3_use_aiter_sparse_pa = use_page16_path
+    amd_mtp.minimax_m3_use_aiter_sparse_pa = use_page16_path
     amd_model.MiniMaxM3SparseAttention._insert_aiter_sparse_pa_kv = _insert_kv
 
 
 def uninstall():
     """Put vLLM's own selection back (tests)."""
     from vllm.models.minimax_m3.amd import model as amd_model
+    from vllm.models.minimax_m3.amd import mtp as amd_mtp
 
     if not _VLLM:
         return
     _common.select_main_backend_and_impl_cls = _VLLM["select"]
     amd_model.select_main_backend_and_impl_cls = _VLLM["select"]
+    amd_model.select_msa_indexer_impl_cls = _VLLM["select_indexer"]
+    amd_mtp.select_msa_indexer_impl_cls = _VLLM["select_indexer"]
+    amd_mtp.minimax_m3_use_aiter_sparse_pa = _VLLM["gate"]
+    _SELECTED.update(msa_iree=False, indexer=False)
     amd_model.minimax_m3_use_aiter_sparse_pa = _VLLM["gate"]
     amd_model.MiniMaxM3SparseAttention._insert_aiter_sparse_pa_kv = _VLLM["insert"]
     _VLLM.clear()

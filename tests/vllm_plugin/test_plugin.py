@@ -32,10 +32,11 @@ TOL = 1.7e-2  # tests/tolerances.py: vLLM's own bound for its sparse attend
 @pytest.fixture(scope="session")
 def build_dir(tmp_path_factory):
     """The host kernels the tests serve with, built by the documented command (a vLLM TP4 fp8
-    configuration, and the e4m3fn and two-KV-head sets the other cases use)."""
+    configuration with its bf16 indexer, and the e4m3fn and two-KV-head sets the other cases use)."""
     out = tmp_path_factory.mktemp("msa-iree-host")
     cmd = [sys.executable, "-m", "msa_iree", "compile", "--target", "host", "--out", str(out)]
-    for extra in (["--tensor-parallel-size", "4", "--kv-cache-dtype", "fp8", "--num-speculative-tokens", "3"],
+    for extra in (["--tensor-parallel-size", "4", "--kv-cache-dtype", "fp8", "--num-speculative-tokens", "3",
+                   "--index-cache-dtype", "bf16"],
                   ["--num-heads", "16", "--num-kv-heads", "1", "--kv-dtype", "fp8_e4m3fn", "--decode-query-lens", "1",
                    "--layouts", "interleaved"],
                   ["--num-heads", "32", "--num-kv-heads", "2", "--kv-dtype", "bf16", "--decode-query-lens", "1,4"]):
@@ -375,3 +376,138 @@ def test_a_block_size_other_than_128_is_refused(plugin):
     with pytest.raises(ValueError, match="requires block_size == 128, got 64"):
         plugin.MsaIreeMetadataBuilder(types.SimpleNamespace(block_size=64), ["layer.0"], vllm_config(),
                                       torch.device("cpu"))
+
+
+# ---- the indexer ----
+
+def indexer_vllm_config(cp=False, kv_heads=4, index_heads=4, cache_dtype="fp8"):
+    """What msa-iree's indexer selection and builders read of vLLM's config (TP4 in the tests)."""
+    sparse = {"sparse_num_index_heads": index_heads}
+    text = types.SimpleNamespace(num_key_value_heads=kv_heads, sparse_attention_config=sparse)
+    config = vllm_config()
+    config.model_config.hf_text_config = text
+    config.model_config.hf_config = types.SimpleNamespace(text_config=text)
+    config.attention_config = types.SimpleNamespace(minimax_m3_indexer_cp=cp)
+    config.cache_config = types.SimpleNamespace(cache_dtype=cache_dtype)
+    config.compilation_config = types.SimpleNamespace(static_forward_context={})
+    return config
+
+
+@pytest.fixture
+def tp4(monkeypatch):
+    import vllm.distributed
+    from vllm.models.minimax_m3.common import indexer as vindexer
+
+    for module in (vllm.distributed, vindexer):
+        monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: 4)
+
+
+def select_indexer(**kw):
+    args = dict(topk_blocks=16, sparse_block_size=128, index_head_dim=128, indexer_kv_dtype="bf16", score_type="max")
+    args.update(kw)
+    return amd_model.select_msa_indexer_impl_cls(**args)
+
+
+def test_the_plugin_selects_its_indexer_where_it_serves_the_layer(plugin, tp4):
+    """The ROCm model's (and its MTP layer's) table-emitting indexer selector answers msa-iree's
+    impl where msa-iree serves the layer's attention and indexer, and the page-16 gate then lets
+    the model hand it the table buffers; elsewhere vLLM's own answer (none without AITER)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.models.minimax_m3.amd import mtp as amd_mtp
+
+    from msa_iree.vllm import indexer
+
+    with set_current_vllm_config(indexer_vllm_config()):
+        assert select_indexer() is indexer.MsaIreeIndexerImpl
+        assert amd_mtp.select_msa_indexer_impl_cls is amd_model.select_msa_indexer_impl_cls
+        assert amd_model.minimax_m3_use_aiter_sparse_pa(1, emits_sparse_block_table=True) is True
+        assert amd_mtp.minimax_m3_use_aiter_sparse_pa(1, emits_sparse_block_table=True) is True
+        assert indexer.MsaIreeIndexerImpl.indexer_backend_cls.get_builder_cls() is indexer.MsaIreeIndexerMetadataBuilder
+        for kw in (dict(score_type="mean"), dict(topk_blocks=8), dict(indexer_kv_dtype="mxfp4")):
+            assert select_indexer(**kw) is None, kw
+            assert not amd_model.minimax_m3_use_aiter_sparse_pa(1, emits_sparse_block_table=True)
+    for config in (indexer_vllm_config(cp=True), indexer_vllm_config(index_heads=8),
+                   indexer_vllm_config(cache_dtype="fp8_e5m2")):
+        with set_current_vllm_config(config):
+            assert select_indexer() is None
+
+
+def make_indexer(plugin, topk_rows=256, tables_rows=256):
+    from msa_iree.vllm import indexer
+
+    topk = torch.full((1, topk_rows, 16), -7, dtype=torch.int32)
+    impl = indexer.MsaIreeIndexerImpl(num_kv_heads=1, scale=1.0, topk_blocks=16, sparse_block_size=128,
+                                      num_index_heads=1, index_head_dim=128, prefix="model.layers.3.self_attn.attn",
+                                      init_blocks=0, local_blocks=1, indexer_kv_dtype="bf16", topk_indices_buffer=topk)
+    # what vLLM's MSA indexer wrapper assigns after constructing the impl
+    impl.sparse_bt_buffer = torch.full((tables_rows, 128), -7, dtype=torch.int32)
+    impl.sparse_ctx_buffer = torch.full((tables_rows,), -7, dtype=torch.int32)
+    return impl
+
+
+@pytest.mark.parametrize("name", ["decode", "spec-decode", "mixed"])
+def test_the_indexer_selects_and_emits_the_attends_table_as_the_reference(plugin, tp4, name):
+    """A step through vLLM's interface: the index group's and the attention group's metadata (their
+    own block tables) from the plugin's builders in a forward context, the indexer's forward as
+    vLLM's MSA indexer wrapper calls it: the shared top-k buffer and the layer's table buffers
+    hold reference.index_topk's top-k and the attend's table for it, rows past the step untouched."""
+    from vllm.config import set_current_vllm_config
+
+    from msa_iree.vllm import indexer
+
+    cm = dict(steps())[name]
+    index_bt = torch.tensor([[10, 3, 6], [11, 8, 2], [0, 9, 4]], dtype=torch.int32)[:cm.num_reqs]
+    index_slots = [int(index_bt.reshape(-1)[0])]  # unused by the indexer's reads
+    icm = common_metadata(index_bt.tolist(), cm.seq_lens.tolist(), (cm.query_start_loc[1:] - cm.query_start_loc[:-1]).tolist(),
+                          index_slots * cm.num_actual_tokens)
+    config = indexer_vllm_config()
+    with set_current_vllm_config(config):
+        impl = make_indexer(plugin)
+        index_md = indexer.MsaIreeIndexerMetadataBuilder(SPEC, [impl.index_cache.prefix], config,
+                                                         torch.device("cpu")).build(0, icm)
+    attend_md = plugin.MsaIreeMetadataBuilder(SPEC, ["model.layers.3.self_attn.attn"], vllm_config(),
+                                              torch.device("cpu")).build(0, cm)
+    g = torch.Generator().manual_seed(len(name))
+    impl.index_cache.kv_cache = torch.randn(12, 128, 128, generator=g).to(BF16)
+    n = index_md.num_actual_tokens
+    index_query = torch.randn(n, 128, generator=g).to(BF16)
+    context = ForwardContext(no_compile_layers={}, slot_mapping={},
+                             attn_metadata={"model.layers.3.self_attn.attn": attend_md,
+                                            impl.index_cache.prefix: index_md})
+    with override_forward_context(context):
+        decode_topk, prefill_topk = impl(index_query, decode_page16_block_table=None, prefill_page16_block_table=None)
+    qlens = (cm.query_start_loc[1:] - cm.query_start_loc[:-1]).tolist()
+    computed = (cm.seq_lens - torch.tensor(qlens)).tolist()
+    req = torch.tensor([r for r, q in enumerate(qlens) for _ in range(q)], dtype=torch.int32)
+    pos = torch.tensor([c + i for c, q in zip(computed, qlens) for i in range(q)], dtype=torch.int32)
+    want = R.index_topk(index_query.view(n, 1, 128), impl.index_cache.kv_cache, index_bt, req, pos,
+                        init_blocks=0, local_blocks=1)
+    nd = index_md.num_decode_tokens
+    got = impl.topk_indices_buffer
+    assert torch.equal(got[:, :n], want) and got[:, n:].eq(-7).all()
+    assert (decode_topk is None) == (nd == 0) and (prefill_topk is None) == (nd == n)
+    if decode_topk is not None:
+        assert decode_topk.data_ptr() == got.data_ptr() and torch.equal(decode_topk, want[:, :nd])
+    if prefill_topk is not None:
+        assert torch.equal(prefill_topk, want[:, nd:])
+    want_bt, want_ctx = R.build_sparse_block_table_prefill(want, cm.block_table_tensor, req, pos, 16)
+    assert torch.equal(impl.sparse_bt_buffer[:n], want_bt) and torch.equal(impl.sparse_ctx_buffer[:n], want_ctx)
+    assert impl.sparse_bt_buffer[n:].eq(-7).all() and impl.sparse_ctx_buffer[n:].eq(-7).all()
+
+
+def test_the_indexer_refuses_what_it_does_not_serve(plugin, tp4):
+    from vllm.config import set_current_vllm_config
+
+    from msa_iree.vllm import indexer
+
+    base = dict(num_kv_heads=1, scale=1.0, topk_blocks=16, sparse_block_size=128, num_index_heads=1, index_head_dim=128,
+                init_blocks=0, local_blocks=1, indexer_kv_dtype="bf16")
+    for i, (kw, match) in enumerate([(dict(score_type="mean"), "score_type='mean'"),
+                                     (dict(num_index_heads=2), "2 index heads but 1 KV heads a rank")]):
+        with set_current_vllm_config(indexer_vllm_config()):
+            with pytest.raises(ValueError, match=f"MiniMax-M3 msa-iree indexer: {match}"):
+                indexer.MsaIreeIndexerImpl(**{**base, **kw, "prefix": f"model.layers.{i}.self_attn.attn"})
+    with set_current_vllm_config(indexer_vllm_config()):
+        impl = indexer.MsaIreeIndexerImpl(**base, prefix="model.layers.9.self_attn.attn")
+        with pytest.raises(ValueError, match="expected no indexer context parallelism"):
+            impl.init_cp()
