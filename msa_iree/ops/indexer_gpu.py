@@ -70,7 +70,7 @@ class IndexTopkGpuSpec(TemplateSpec):
     def variant(self):
         c, t = self.cfg, self.tuning
         return (f"h{c.num_kv_heads}.{c.kv_dtype}.q{c.query_dtype}.k{c.topk}.init{self.init_blocks}."
-                f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}u{t.loads_for(self.rows, c.num_kv_heads)}"
+                f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}u{t.loads_for(self.rows, c.num_kv_heads, c.is_fp8)}"
                 + (f".r{self.rows}" if self.rows > 1 else "") + (".emit" if self.emit_table else ""))
 
     def describe(self) -> dict:
@@ -82,7 +82,7 @@ class IndexTopkGpuSpec(TemplateSpec):
         return render_template(self.template, H=c.num_kv_heads, QT=MLIR_ELEMENT[c.query_dtype],
                                KT=MLIR_ELEMENT[c.kv_dtype], FP8=FP8_FORMAT.get(c.kv_dtype), AMDCVT=False,
                                INIT=self.init_blocks, LOCAL=self.local_blocks, MIN_BPS=t.min_blocks_per_split,
-                               MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads), EMIT=self.emit_table, ROWS=self.rows)
+                               MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table, ROWS=self.rows)
 
     def workspace_floats(self, num_tokens: int, columns: int) -> int:
         """32-bit words of the workspace for num_tokens tokens over `columns` block-table columns:

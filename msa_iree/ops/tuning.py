@@ -93,8 +93,8 @@ class IndexerTuning:
     """The GPU indexer's knobs (templates/index_topk_gpu.mlir.j2). A token's candidate blocks are
     split over workgroups of min_blocks_per_split blocks (one per team of 32 lanes at 8) up to
     max_splits splits, above that C / max_splits blocks each (at most 128: 8,192 columns, 1M
-    tokens); key_loads: 16-byte key loads in flight per lane, scoring one token's one head (p
-    (token, head) pairs: key_loads / p, at least 2); max_row_heads: the most (token, head) pairs a
+    tokens); key_loads: 16-byte bf16 key loads in flight per lane, scoring one token's one head
+    (fp8 keys: half as many; p (token, head) pairs: 1 / p as many, at least 4 bf16 / 2 fp8); max_row_heads: the most (token, head) pairs a
     workgroup scores together from one key load (a decode step's tokens of a request, as many as
     divide its L): past 4 gfx942 gives the score more than 128 VGPRs (fewer than 4 waves a SIMD)."""
 
@@ -112,8 +112,9 @@ class IndexerTuning:
             raise ValueError(f"IndexerTuning.key_loads: expected a divisor of 32 (a team's loads a block, fp8), "
                              f"got {self.key_loads}")
 
-    def loads_for(self, rows: int, heads: int) -> int:
-        return max(2, self.key_loads // (rows * heads))
+    def loads_for(self, rows: int, heads: int, fp8: bool) -> int:
+        # an fp8 load decodes into twice the registers of a bf16 one
+        return max(2 if fp8 else 4, self.key_loads // (2 if fp8 else 1) // (rows * heads))
 
     def rows_for(self, decode_query_len: int, num_index_heads: int) -> int:
         """Tokens of a request scored together in a decode step of L = decode_query_len tokens a
