@@ -132,10 +132,10 @@ def _aligned_starts(sizes) -> list[int]:
     return starts
 
 
-def _input_starts(b: int, cols: int, nd: int) -> list[int]:
-    """Where the input buffer's qsl, seq_lens, computed, block table, the prefills' seq_lens and
-    block table (a copy of their rows, so that they start aligned too) and slots start."""
-    return _aligned_starts([b + 1, b, b, b * cols, b - nd, (b - nd) * cols, 0])
+def _input_starts(b: int, cols: int) -> tuple[int, int]:
+    """Where the input buffer's block table (aligned: the kernels read it) and slots start."""
+    at = _aligned(3 * b + 1)
+    return at, at + b * cols
 
 
 class _StepLayout:
@@ -146,33 +146,33 @@ class _StepLayout:
     The input buffer holds the step's inputs as given, [qsl | seq_lens | computed | block table |
     slots]; the derived buffer what the builder works out on the host, [page-16 block table |
     page-16 slots | slots | cu_seqlens_q | context_lens | query_req_id | query_abs_pos | every
-    token's request | every token's position | the prefills' page-16 block table | the
-    portable insert's rows]. Each tensor starts on an ALIGN-element (64-byte) boundary: the
-    compiled kernels take their operands' addresses as aligned (IREE's bindings are 16-byte
-    aligned, and a kernel may load two neighbours at once); so the prefills' rows of the block
-    tables and seq_lens are copies of their own, not views into the whole step's.
+    token's request | every token's position | seq_lens | the prefills' seq_lens, block table
+    and page-16 block table | the portable insert's rows]. Each tensor a kernel reads starts on an
+    ALIGN-element (64-byte) boundary: the compiled kernels take their operands' addresses as
+    aligned (IREE's bindings are 16-byte aligned, and a kernel may load two neighbours at once);
+    so the seq_lens and the prefills' rows are host-written copies of their own, not views into
+    the packed inputs.
     """
 
     def __init__(self, builder, shape):
         b, cols, n_slots, n, nd, L = shape
         num_prefills, n_prefill = b - nd, n - nd * L
         names = ["page16", "page16_slots", "slots"] + (["cu", "ctx", "qreq", "qpos"] if num_prefills else []) \
-            + ["req", "pos", "page16_prefill"]
+            + ["req", "pos", "seq", "seq_prefill", "bt_prefill", "page16_prefill"]
         sizes = [b * cols, n, n] + ([num_prefills + 1, num_prefills, n_prefill, n_prefill] if num_prefills else []) \
-            + [n, n, num_prefills * cols]
+            + [n, n, b, num_prefills, num_prefills * cols, num_prefills * cols]
         self.at = dict(zip(names, _aligned_starts(sizes)))  # name -> its first element in the derived buffer
         self.n_derived = _aligned(self.at[names[-1]] + sizes[-1])
         self.derived, self.host_derived = builder._derived[:self.n_derived], builder._host_derived[:self.n_derived]
         views = [self.derived[self.at[k]:self.at[k] + size] for k, size in zip(names, sizes)]
         page16, self.page16_slots, self.slots = views[0].view(b, cols), views[1], views[2]
-        self.prefill_views, (self.token_req_id, self.token_abs_pos) = views[3:-3], views[-3:-1]
-        at = _input_starts(b, cols, nd)
-        seq_lens = builder._inputs[at[1]:at[1] + b]
-        block_table = builder._inputs[at[3]:at[3] + b * cols].view(b, cols)
+        self.prefill_views = views[3:-6]
+        self.token_req_id, self.token_abs_pos, seq_lens, seq_prefill, bt_prefill, page16_prefill = views[-6:]
+        at_bt, _ = _input_starts(b, cols)
+        block_table = builder._inputs[at_bt:at_bt + b * cols].view(b, cols)
         self.block_table = block_table
         self.decode = (block_table[:nd], seq_lens[:nd], page16[:nd]) if nd else None
-        self.prefill = (builder._inputs[at[5]:at[5] + num_prefills * cols].view(num_prefills, cols),
-                        builder._inputs[at[4]:at[4] + num_prefills], views[-1].view(num_prefills, cols)) \
+        self.prefill = (bt_prefill.view(num_prefills, cols), seq_prefill, page16_prefill.view(num_prefills, cols)) \
             if num_prefills else None
         self.token_index = builder._token_index[:n]
         step = (block_table, seq_lens, page16, self.slots, self.token_index, *self.prefill_views,
@@ -211,7 +211,7 @@ class MetadataBuilder:
         self._layouts = {}
         self._copy_stream = None  # on a GPU: the stream of the last copy of the derived values to the device
         tokens = max_num_tokens or max_num_seqs * 8
-        self._allocate_inputs(max_num_seqs * (self.max_cols + 3) + 1 + tokens + 5 * ALIGN)
+        self._allocate_inputs(max_num_seqs * (self.max_cols + 3) + 1 + tokens + ALIGN)
         self._allocate_derived(tokens)
 
     # ---- the buffers: on a GPU each with a pinned host twin, on the host the buffer itself ----
@@ -239,8 +239,8 @@ class MetadataBuilder:
     def _allocate_derived(self, tokens):
         self.max_tokens = tokens
         # vLLM's page-16 table (at most [max_num_seqs, cdiv(max_model_len, 128)]), then the per-token values
-        self._derived, self._host_derived = self._buffer(self.max_num_seqs * (self.max_cols + 2) + 1 + 8 * tokens
-                                                         + 12 * ALIGN)
+        self._derived, self._host_derived = self._buffer(self.max_num_seqs * (3 * self.max_cols + 4) + 1 + 8 * tokens
+                                                         + 16 * ALIGN)
         self._token_index = torch.arange(tokens, dtype=torch.int32, device=self.device)
         self._layouts.clear()
 
@@ -391,15 +391,10 @@ class MetadataBuilder:
         b, cols = block_table.shape
         n_slots = 0 if slot_mapping is None else slot_mapping.shape[0]
         # the inputs into the input buffer (each part aligned), then to the host in one transfer
-        nd = num_decodes
-        at = _input_starts(b, cols, nd)
-        stage, host_stage, host = self._stage(at[6] + n_slots)
-        pad = self._padding(block_table.device)
-        given = [query_start_loc, seq_lens, num_computed_tokens, block_table.reshape(-1), seq_lens[nd:],
-                 block_table[nd:].reshape(-1)]
-        parts = []
-        for i, t in enumerate(given):
-            parts += [t, pad[:at[i + 1] - at[i] - t.shape[0]]]
+        at_bt, at_slots = _input_starts(b, cols)
+        stage, host_stage, host = self._stage(at_slots + n_slots)
+        parts = [query_start_loc, seq_lens, num_computed_tokens, self._padding(block_table.device)[:at_bt - 3 * b - 1],
+                 block_table.reshape(-1)]
         if slot_mapping is not None:
             parts.append(slot_mapping)
         if block_table.device == stage.device:
@@ -408,18 +403,19 @@ class MetadataBuilder:
             stage.copy_(torch.cat(parts))
         if self._host_inputs is not self._inputs:
             host_stage.copy_(stage)  # waits for the stream's work: the last step's copy back included
-        qsl, seq, computed = (host[a:a + k].astype(np.int64) for a, k in zip(at, (b + 1, b, b)))
+        small = host[:3 * b + 1].astype(np.int64)
+        qsl, seq, computed = small[:b + 1], small[b + 1:2 * b + 1], small[2 * b + 1:]
         qlens, num_decode_tokens, n = self._split(qsl, seq, computed, decode_query_len, num_decodes,
                                                   num_actual_tokens)
         if slot_mapping is not None and n_slots < n:
             raise ValueError(f"slot_mapping: expected at least num_tokens={n} entries, got {n_slots}")
-        host_bt = host[at[3]:at[3] + b * cols].reshape(b, cols)
-        host_slots = host[at[6]:at[6] + n].astype(np.int64) if n_slots else np.full(n, -1, np.int64)
+        host_bt = host[at_bt:at_slots].reshape(b, cols)
+        host_slots = host[at_slots:at_slots + n].astype(np.int64) if n_slots else np.full(n, -1, np.int64)
         max_block, max_slot = self._check_ids(host_bt, seq, host_slots)
 
         layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
-        count = self._derive(layout, host_bt, host_slots, qlens[num_decodes:], computed[num_decodes:],
-                             seq[:num_decodes], decode_query_len)
+        count = self._derive(layout, host_bt, host_slots, qlens[num_decodes:], computed[num_decodes:], seq,
+                             num_decodes, decode_query_len)
         if self.gpu_writer:
             token_index, insert_slots = layout.token_index, layout.slots  # the GPU writer skips slots < 0
         else:  # the portable writer takes the written tokens only, after the layout's derived values
@@ -444,20 +440,24 @@ class MetadataBuilder:
                            layout.slots, layout.page16_slots, token_index, insert_slots, layout.block_table,
                            layout.token_req_id, layout.token_abs_pos, max_block, max_slot, layout.key)
 
-    def _derive(self, layout, block_table, slots, qlens, computed, decode_seq, L) -> int:
+    def _derive(self, layout, block_table, slots, qlens, computed, seq, num_decodes, L) -> int:
         """Write the derived values into the host side of the derived buffer (once the last
         step's copy of it has left): the page-16 block table and slots, the slots, for prefills
-        cu_seqlens_q, context_lens, query_req_id and query_abs_pos, and every token's request and
+        cu_seqlens_q, context_lens, query_req_id and query_abs_pos, every token's request and
         position (decode rows: seq_len - L + t % L, reference.decode_token_positions; a padded
-        request's are below 0). Returns their count."""
+        request's are below 0), seq_lens and the prefills' rows of it and of both block tables.
+        Returns their count."""
         if self._copy_stream is not None and self._copy_stream != self._raw_stream():
             torch.cuda.synchronize(self.device)  # the last copy back went on another stream: let it finish
         out, at = layout.host_derived.numpy(), layout.at
         n, m = slots.shape[0], block_table.size
         # reference.rebase_block_table_to_page16 (the prefills' rows again, at their own start)
         np.multiply(block_table.reshape(-1), 2, out=out[at["page16"]:at["page16"] + m])
-        p16_prefill = block_table.shape[1] * qlens.shape[0]
+        decode_seq, p16_prefill = seq[:num_decodes], block_table.shape[1] * qlens.shape[0]
         out[at["page16_prefill"]:at["page16_prefill"] + p16_prefill] = out[at["page16"] + m - p16_prefill:at["page16"] + m]
+        out[at["bt_prefill"]:at["bt_prefill"] + p16_prefill] = block_table[num_decodes:].reshape(-1)
+        out[at["seq"]:at["seq"] + seq.shape[0]] = seq
+        out[at["seq_prefill"]:at["seq_prefill"] + qlens.shape[0]] = seq[num_decodes:]
         # reference.rebase_slots_to_page16: slot + its block's first slot (block * 128), < 0 kept
         out[at["page16_slots"]:at["page16_slots"] + n] = slots + (np.maximum(slots, 0) & -BLOCK_SIZE)
         out[at["slots"]:at["slots"] + n] = slots
