@@ -163,6 +163,17 @@ class _RecordingDriver:
         return 0
 
 
+def _recorded_mma(build, dependent):
+    """The MMA attend's StreamKernel over a _RecordingDriver: (kernel, driver)."""
+    out, kernels = build
+    entry = kernels[MMA.name]
+    driver = _RecordingDriver()
+    sk = StreamKernel(MMA.name, (out / entry["file"]).read_bytes(), (out / entry["launch_plan"]["file"]).read_text(),
+                      driver, dependent_launch=dependent)
+    driver.sk = sk
+    return sk, driver
+
+
 def _mma_operands(tokens, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(tokens, 16, 128, generator=g).bfloat16(), torch.zeros(64, 2048, dtype=torch.bfloat16),
@@ -178,12 +189,7 @@ def test_a_bound_launch_passes_what_an_unbound_one_passes(build, tokens, depende
     """SparseAttention's per-call path (BoundLaunch: the plan evaluated once, only the query, top-k
     and output addresses written per call) queues the same kernels with the same grids and the
     same argument values as a launch that works everything out from the operands."""
-    out, kernels = build
-    entry = kernels[MMA.name]
-    driver = _RecordingDriver()
-    sk = StreamKernel(MMA.name, (out / entry["file"]).read_bytes(), (out / entry["launch_plan"]["file"]).read_text(),
-                      driver, dependent_launch=dependent)
-    driver.sk = sk
+    sk, driver = _recorded_mma(build, dependent)
     first = _mma_operands(tokens, 1)
     bound = sk.bind(first, variable=(0, 3, 9))
     later = list(first)
@@ -305,12 +311,7 @@ def test_an_operand_off_the_binding_alignment_is_refused_by_name(build):
     """IREE compiles a kernel taking its bindings 16-byte aligned (and may load two neighbouring
     elements as one vector): a stream launch, bound or not, refuses an operand elsewhere instead
     of faulting or reading the wrong bytes."""
-    out, kernels = build
-    entry = kernels[MMA.name]
-    driver = _RecordingDriver()
-    sk = StreamKernel(MMA.name, (out / entry["file"]).read_bytes(), (out / entry["launch_plan"]["file"]).read_text(),
-                      driver, dependent_launch=False)
-    driver.sk = sk
+    sk, driver = _recorded_mma(build, False)
     ops = _mma_operands(8, 1)
     seq = torch.zeros(9, dtype=torch.int32)[1:]  # a view 4 bytes into its storage
     with pytest.raises(ValueError, match=rf"{MMA.name}: expected operand 5 at a 16-byte aligned address"):
