@@ -83,4 +83,6 @@ def gpu_test_specs():
         specs.append(IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, 0, 1, emit_table=emit, rows=L))
     for kv in ("bf16", "fp8_e4m3fn"):  # runtime.Indexer's, and the benchmark's
         specs += indexer_set(indexer_config(1, kv, "bf16"), "cuda").specs()
+    # and the decode attends' graph variants (what a forward captured in a CUDA graph launches)
+    specs += [s.for_graph() for s in specs if hasattr(s, "for_graph") and not s.prefill]
     return list({s.name: s for s in specs}.values())

@@ -260,3 +260,24 @@ def test_a_given_page_table_is_checked_for_range_length_and_block_groups():
     refused(IndexError, r"sparse_block_table: expected ids in \[0, 200\), got 1000000 at row 0, column 8", far)
     refused(ValueError, "sparse_context_lens: expected at most 2048 tokens .*, got 2049 at row 1",
             lens=torch.tensor([130, 2049], dtype=torch.int32))
+
+
+def test_a_callers_workspace_is_checked_and_its_arrival_counters_zeroed(host_kernels):
+    """SparseAttention(workspace=...): a float32, contiguous tensor of at least the attend's 128
+    arrival counters (refused by name otherwise); the layer zeroes those counters (the GPU
+    attend's rows count their finished splits there) and leaves the rest as it was."""
+    from msa_iree.ops.tuning import ARRIVAL_COUNTERS
+
+    def attn(ws):
+        return SparseAttention(16, 1, 128, 128 ** -0.5, BF16, kernels=host_kernels, workspace=ws)
+
+    with pytest.raises(ValueError, match=r"workspace: expected at least 512 bytes \(its arrival counters\), got 508"):
+        attn(torch.zeros(127))
+    with pytest.raises(ValueError, match="workspace: expected a contiguous tensor"):
+        attn(torch.zeros(512)[::2])
+    with pytest.raises(ValueError, match="workspace"):
+        attn(torch.zeros(512, dtype=torch.float16))
+    ws = torch.full((ARRIVAL_COUNTERS + 7,), float("nan"))
+    attn(ws)
+    assert ARRIVAL_COUNTERS == 128
+    assert not ws[:128].view(torch.int32).any() and ws[128:].isnan().all()

@@ -18,6 +18,7 @@ import gpu_cases
 import tolerances as tol
 from msa_iree.ops import GPU_ATTEND, GPU_PAGED_ATTEND, SparseAttnDecodeFmaSpec
 from msa_iree.ops.fp8 import storage_dtype
+from msa_iree.ops.tuning import ARRIVAL_COUNTERS
 from msa_iree.ops.indexer import indexer_config
 from msa_iree.runtime.library import module_scale
 
@@ -64,8 +65,11 @@ def _module_operands(c, *positions):
 
 
 def _poisoned_workspace(spec, num_tokens):
-    """A workspace for `num_tokens` rows filled with NaN: its content must not matter."""
-    return torch.full((spec.workspace_floats(num_tokens),), float("nan"), device=torch.device("cuda"))
+    """A workspace for `num_tokens` rows filled with NaN past its arrival counters, which start at
+    zero (as the library's and SparseAttention's do): what the partials held must not matter."""
+    ws = torch.full((spec.workspace_floats(num_tokens),), float("nan"), device=torch.device("cuda"))
+    ws[:ARRIVAL_COUNTERS] = 0
+    return ws
 
 
 def _cpu(t):
@@ -163,7 +167,7 @@ def test_output_is_written_in_place(cuda_kernels):
     big = torch.full((4, 16, 128), 7.0, dtype=torch.bfloat16, device=dev)
     target = big[1:3]
     ptr = target.data_ptr()
-    ws = torch.empty(spec.workspace_floats(2), device=dev)
+    ws = _poisoned_workspace(spec, 2)
     cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[target, ws])
     assert target.data_ptr() == ptr
     ref = torch.empty_like(c.q)
@@ -213,7 +217,7 @@ def test_fp8_nan_codes_propagate_as_in_the_reference(cuda_kernels, kv, matrix):
     dev = torch.device("cuda")
     args = _module_operands(c, c.seq_lens)
     out = torch.zeros(c.q.shape, dtype=c.q.dtype, device=dev)
-    ws = torch.empty(spec.workspace_floats(c.q.shape[0]), device=dev)
+    ws = _poisoned_workspace(spec, c.q.shape[0])
     cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, ws])
     out = out.cpu()
     assert torch.equal(out.isnan(), ref.isnan())
@@ -228,7 +232,8 @@ def test_a_short_workspace_is_refused(cuda_kernels):
     dev = torch.device("cuda")
     args = _module_operands(c, c.seq_lens)
     out = torch.empty_like(c.q, device=dev)
-    needed = 2 * spec.splits(2) * 16 * 130  # 2 rows, their splits (the tuning table), 16 heads, o + (m, l)
+    # the arrival counters, then 2 rows' splits (the tuning table) of 16 heads' o + (m, l)
+    needed = ARRIVAL_COUNTERS + 2 * spec.splits(2) * 16 * 130
     short = torch.empty(needed - 1, device=dev)
     with pytest.raises(Exception, match="workspace"):
         cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, short])
@@ -309,8 +314,8 @@ def test_insert_kv_gpu_is_in_place_and_exact(cuda_kernels, kv, kd, layout, h, sm
 def test_one_workspace_serves_calls_of_every_split_count(cuda_kernels, matrix):
     """One output-poisoned call after another on one workspace, with row counts that give 16, 8,
     4, 2, 1 and again 16 splits (with one split the mma and mfma attends write the output
-    themselves and run @merge as one workgroup that does nothing; their @merge changes mode
-    between 8 and 4 splits): every call matches the reference."""
+    themselves; with more the last workgroup of a row merges it, counted in the arrival
+    counters): every call matches the reference and leaves the counters zero."""
     spec = _decode_spec(matrix)
     dev = torch.device("cuda")
     ws = _poisoned_workspace(spec, 300)
@@ -323,6 +328,8 @@ def test_one_workspace_serves_calls_of_every_split_count(cuda_kernels, matrix):
         R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref)
         err = (out.cpu().float() - ref.float()).abs()
         assert err.max() < tol.MAX_ABS[torch.bfloat16], (batch, float(err.max()))
+        counters = ws[:ARRIVAL_COUNTERS].view(torch.int32).cpu()
+        assert not counters.any(), (batch, counters.nonzero().flatten()[:5].tolist())
 
 
 @pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
@@ -455,9 +462,10 @@ def test_mfma_writes_under_a_tenth_of_the_kv_between_its_dispatches(cuda_kernels
     for batch in (3, 16, 17, 32, 33, 64, 65, 128):
         c = testing.decode_case([3000 + 7 * i for i in range(batch)], kv_dtype=DTYPES[kv], seed=batch, keep_own_prob=1.0)
         ws = torch.full((spec.workspace_floats(batch),), -1, dtype=torch.int32, device=dev)
+        ws[:ARRIVAL_COUNTERS] = 0
         out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device=dev)
         cuda_kernels.run(spec, *[a.to(dev) for a in _module_operands(c, c.seq_lens)], out=[out, ws.view(torch.float32)])
-        written = int((ws.view(torch.int16) != -1).sum()) * 2
+        written = int((ws[ARRIVAL_COUNTERS:].view(torch.int16) != -1).sum()) * 2
         assert 0 < written < 0.10 * kv_bytes_per_row * batch, (batch, written / (kv_bytes_per_row * batch))
         ref = torch.empty_like(c.q)
         R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref,
@@ -518,7 +526,7 @@ def test_stream_launch_is_ordered_with_torch_work(cuda_kernels):
         busy = busy @ busy * 1e-3  # keeps the stream busy for milliseconds
     q.copy_(args[0] + busy[0, 0] * 0)  # the query, written only after that work
     out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device=dev)
-    cuda_kernels.run(spec, q, *args[1:], out=[out, torch.empty(spec.workspace_floats(4), device=dev)])
+    cuda_kernels.run(spec, q, *args[1:], out=[out, _poisoned_workspace(spec, 4)])
     seen = out.float() * 1.0  # consumed right away, on the same stream
     ref = torch.empty_like(c.q)
     R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref)
@@ -582,6 +590,9 @@ def test_forward_is_captured_by_a_cuda_graph(cuda_kernels, kv):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fwd()
+    # eagerly the one-dispatch attend, in the graph its two-dispatch variant (GpuAttendSpec.for_graph)
+    launched = {key[-1]: spec for key, spec in attn._specs.items() if key[0] is attn.decode_spec}
+    assert launched[False].tuning.fused_merge and launched[True] == launched[False].for_graph() != launched[False]
     gen = torch.Generator(device=dev).manual_seed(3)
     for _ in range(2):
         c.q.copy_(torch.randn(c.q.shape, generator=gen, device=dev).to(c.q.dtype))
@@ -955,6 +966,31 @@ def test_a_layer_attends_an_emitted_table_like_its_top_k_in_one_launch(cuda_kern
                                          r"order.*at row 2, group 0"):
         attn.forward(q, kc, vc, torch.empty_like(q), topk, md, ks, vs, sparse_block_table=swapped.to(dev),
                      sparse_context_lens=sctx.to(dev))
+
+
+def test_a_callers_workspace_serves_once_the_layer_zeroed_its_counters(cuda_kernels):
+    """SparseAttention(workspace=...): the caller's tensor, NaN everywhere (its arrival counters
+    too), shared by two layers, serves a decode step of 8 rows at 16 splits a row (each row
+    merged by its last split to finish): each layer zeroed the counters when given the tensor,
+    and each call leaves them zero."""
+    from msa_iree.runtime import MetadataBuilder, SparseAttention
+
+    dev = torch.device("cuda")
+    c = testing.prefill_case([1] * 8, [299, 2048, 4999, 76, 128, 3999, 0, 999], seed=47)
+    kc, vc, q, topk = (x.to(dev) for x in (c.k_cache, c.v_cache, c.q, c.topk))
+    builder = MetadataBuilder(8, 8192, kernels=cuda_kernels, device=dev)
+    md = builder.build(c.block_table.to(dev), c.seq_lens.to(dev), c.cu_seqlens_q.to(dev), c.prefix_lens.to(dev), 1, 8)
+    size = SparseAttention(16, 1, 128, c.scale, torch.bfloat16, kernels=cuda_kernels).workspace_size(8)
+    ws = torch.full((size // 4,), float("nan"), device=dev)
+    layers = [SparseAttention(16, 1, 128, c.scale, torch.bfloat16, kernels=cuda_kernels, workspace=ws) for _ in range(2)]
+    assert layers[0].decode_spec(layers[0].cfg, 16).splits(8) == 16
+    sbt, sctx = R.build_sparse_block_table_prefill(c.topk, c.block_table, c.query_req_id, c.query_abs_pos, 16)
+    ref = torch.empty_like(c.q)
+    R.sparse_paged_attend(c.q, c.k_cache, c.v_cache, sbt, sctx, 1, c.scale, ref)
+    for i, layer in enumerate(layers * 2):
+        out = layer.forward(q, kc, vc, torch.full_like(q, float("nan")), topk, md)
+        _assert_every_row_written_and_close(out.cpu(), ref, f"call {i}")
+        assert not ws[:ARRIVAL_COUNTERS].view(torch.int32).any(), i
 
 
 @pytest.mark.parametrize("heads, cache_dtype, init, local", [(2, "bf16", 0, 1), (1, "fp8_e4m3fn", 1, 1)])

@@ -1,6 +1,7 @@
 """The GPU-level kernels (msa_iree/ops/templates/) on the CPU machine: they render, compile for CUDA and
 gfx942, and the gfx942 ISA has the properties the MI300X targets need (benchmarks/PERF.md). Their numerics are tested on a
 GPU by tests/test_gpu.py (the CPU cannot run them: llvm-cpu has no gpu.thread_id)."""
+import dataclasses
 import re
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from msa_iree import compile as C
 from msa_iree import ops as K
 from msa_iree.config import MsaConfig
-from msa_iree.ops.tuning import AttendTuning, IndexerTuning
+from msa_iree.ops.tuning import ARRIVAL_COUNTERS, AttendTuning, IndexerTuning
 from msa_iree.inspect import kernel_report
 
 DECODE = [K.SparseAttnDecodeFmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16),
@@ -23,6 +24,54 @@ def test_decode_attend_is_two_dispatches_with_the_table_build_fused():
     assert "func.call @attend" in main and "iree.abi.output = 0" in main
     assert len(re.findall(r"flow\.dispatch @", attend)) == 2  # split + merge, nothing else
     assert "topk" in attend and "%bt" in attend  # reads top-k and the block table itself
+
+
+@pytest.mark.parametrize("spec", [K.SparseAttnDecodeMmaSpec(MsaConfig(), 16), K.SparseAttnPrefillMmaSpec(MsaConfig(), 8),
+                                  K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16),
+                                  K.SparseAttnPagedMfmaEmulatedSpec(MsaConfig(), 16)], ids=lambda s: s.name)
+def test_a_fused_merge_attend_is_one_dispatch_that_counts_its_splits(spec):
+    """fused_merge (the matrix families' tuning rows): no @merge; @split counts a row's finished
+    splits in the workspace's arrival counters (one atomic add, ordered with the partials'
+    writes and reads), and the last one merges the row and sets the count back to 0."""
+    assert spec.tuning.fused_merge and spec.name.endswith(".fm")
+    text = spec.render()
+    attend = text[text.index("func.func private @attend"):]
+    assert re.findall(r"flow\.dispatch @(\w+)::@(\w+)", attend) == [("msa_decode", "split")]
+    assert "func.func @merge" not in text
+    split = text[text.index("func.func @split"):]
+    fences = [m.start() for m in re.finditer(r"llvm\.fence", split)]
+    count = split.index("llvm.atomicrmw add")
+    if spec.family == "mfma" and not spec.emulate_mfma:  # gfx942: agent-scope fences around a relaxed count
+        assert len(fences) == 2 and fences[0] < count < fences[1]
+        assert re.search(r'llvm\.atomicrmw add [^\n]*syncscope\("agent"\) monotonic', split)
+    else:  # CUDA: the count itself acquire-release at GPU scope
+        assert not fences and re.search(r'llvm\.atomicrmw add [^\n]*syncscope\("device"\) acq_rel', split)
+    assert re.search(r"memref\.store %c0_i32, %arrivals\[%row\]", split)
+
+
+def test_the_decode_attends_graph_variant_is_the_two_dispatch_module():
+    """for_graph: what a CUDA / HIP graph captures; with fused_merge the same attend without it
+    (its own module and name, the same workspace bound), else the spec itself; a deployment's
+    kernel set holds both for the matrix families' decode and page-table attends, not prefill."""
+    fused = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16)
+    graph = fused.for_graph()
+    assert fused.tuning.fused_merge and not graph.tuning.fused_merge
+    assert graph.name == fused.name[:-len(".fm")].replace(".bt1024", ".mr4x2.bt1024")
+    assert graph.workspace_floats(300) == fused.workspace_floats(300) and graph.for_graph() is graph
+    fma = K.SparseAttnDecodeFmaSpec(MsaConfig(), 16)
+    assert fma.for_graph() is fma
+    for target, family in (("cuda", "mma"), ("gfx942", "mfma")):
+        names = {s.name for s in K.kernel_set(MsaConfig(kv_dtype="fp8_e4m3fn"), target=target)}
+        for spec in [s for s in K.kernel_set(MsaConfig(kv_dtype="fp8_e4m3fn"), target=target)
+                     if getattr(s, "family", None) == family and not s.prefill]:
+            assert spec.for_graph().name in names, spec.name
+
+
+def test_fused_merge_is_refused_where_split_cannot_write_the_output():
+    with pytest.raises(ValueError, match="tuning.fused_merge: expected only for the mma/mfma families"):
+        K.SparseAttnDecodeFmaSpec(MsaConfig(), 16, AttendTuning(fused_merge=True))
+    with pytest.raises(ValueError, match="expected rows split over workgroups only up to 128"):
+        AttendTuning(splits=((256, 2),))
 
 
 def test_specs_refuse_what_they_cannot_build():
@@ -59,7 +108,7 @@ def test_compiles_for_cuda(tmp_path, spec):
 
 
 def test_gfx942_isa(tmp_path):
-    """gfx942 (compiled, never run here): decode attend = 2 dispatches, no scratch; bf16 K/V read
+    """gfx942 (compiled, never run here): decode attend (FMA) = 2 dispatches, no scratch; bf16 K/V read
     with 16-byte loads (16 per block: 8 K + 8 V pages, plus the q loads); the insert = 1 dispatch
     without scratch."""
     bf16 = K.SparseAttnDecodeFmaSpec(MsaConfig(kv_dtype="bf16"), 16)
@@ -85,10 +134,10 @@ MFMA = [K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="bf16"), 16),
 
 def test_gfx942_mfma_isa(tmp_path):
     """gfx942's MFMA attend (compiled, never run here; its numerics run on CUDA as the emulated
-    twin, tests/test_gpu.py): 2 dispatches, both products on the matrix cores (16 QK + 16 PV MFMAs
+    twin, tests/test_gpu.py): 1 dispatch (fused_merge), both products on the matrix cores (16 QK + 16 PV MFMAs
     a block), no scratch, >= 4 waves per SIMD counting registers and LDS, every K/V load 16 bytes
     (bf16/f16: 8 K + 8 V a block, plus q's one copy into LDS; fp8: 4 K + 4 V, V traded between
-    lane pairs), no 8-byte loads. e4m3fnuz (gfx942's fp8) converts in hardware: 2 v_cvt_pk_f32_fp8
+    lane pairs), no 8-byte loads before the fused merge. e4m3fnuz (gfx942's fp8) converts in hardware: 2 v_cvt_pk_f32_fp8
     per K/V word (16 K + 16 V words a block); e4m3fn decodes by integer ops. q's copy into LDS is
     requested with the page-id loads, before the first barrier (SparseAttnDecodeMfmaSpec.q_first:
     after it, its wait put a memory round trip before the first block's K loads)."""
@@ -96,16 +145,17 @@ def test_gfx942_mfma_isa(tmp_path):
     report = {r["kernel"]: r for r in kernel_report(tmp_path)}
     for spec in MFMA:
         attend = report[spec.name]
-        assert attend["dispatches"] == 2
+        assert attend["dispatches"] == 1
         split = next(f for f in attend["functions"] if f["function"] == "split")
         assert split["mfma"] == 32
         assert split["scratch_bytes"] == 0 and split["scratch_ops"] == 0
         assert split["waves_per_simd"] >= 4, split
         assert split["global_load_x4"] >= (4 + 4 + 1 if spec.cfg.is_fp8 else 17), split
-        assert split["global_load_x2"] == 0, split
-        assert split["cvt_fp8"] == (64 if spec.cfg.kv_dtype == "fp8_e4m3fnuz" else 0), split
         asm = "".join(f.read_text() for f in (tmp_path / "isa" / spec.name).glob("*.rocmasm"))
         split_asm = asm[asm.index("\nsplit:"):]
+        # 8-byte loads only in the fused merge after the arrival count (its (m, l) pairs)
+        assert "global_load_dwordx2" not in split_asm[:split_asm.index("global_atomic_add")], spec.name
+        assert split["cvt_fp8"] == (64 if spec.cfg.kv_dtype == "fp8_e4m3fnuz" else 0), split
         assert "global_load_dwordx4" in split_asm[:split_asm.index("s_barrier")], spec.name
 
 
@@ -173,8 +223,8 @@ def test_the_gpu_indexer_refuses_what_it_cannot_build():
 
 def test_gfx942_paged_attend_isa(tmp_path):
     """The attend over a given page table (the indexer's emitted table) on gfx942 (compiled, never
-    run here): it reads the table, not top-k, a block table or positions; the same two dispatches
-    and no scratch; the MFMA variant keeps its 32 MFMAs a block and >= 4 waves per SIMD."""
+    run here): it reads the table, not top-k, a block table or positions; the same dispatches (FMA:
+    two, MFMA: one) and no scratch; the MFMA variant keeps its 32 MFMAs a block and >= 4 waves per SIMD."""
     for spec in PAGED:
         attend = spec.render()
         attend = attend[attend.index("func.func private @attend"):]
@@ -182,7 +232,7 @@ def test_gfx942_paged_attend_isa(tmp_path):
     C.build(None, ["gfx942"], tmp_path, specs=PAGED, log=lambda m: None)
     report = {r["kernel"]: r for r in kernel_report(tmp_path)}
     for spec in PAGED:
-        assert report[spec.name]["dispatches"] == 2
+        assert report[spec.name]["dispatches"] == (1 if spec.tuning.fused_merge else 2)
         split = next(f for f in report[spec.name]["functions"] if f["function"] == "split")
         assert split["scratch_bytes"] == 0 and split["scratch_ops"] == 0, spec.name
         if spec.family == "mfma":
@@ -236,9 +286,9 @@ def test_workspace_bound_covers_every_row_count(hq, h):
     g = hq // h
     for tokens in range(1, 700):
         rows = tokens * h
-        need = rows * spec.splits(rows) * g * 130
+        need = ARRIVAL_COUNTERS + rows * spec.splits(rows) * g * 130
         assert spec.workspace_floats(tokens) >= need, tokens
-    assert spec.workspace_floats(16 // h) == 16 * 16 * g * 130
+    assert spec.workspace_floats(16 // h) == ARRIVAL_COUNTERS + 16 * 16 * g * 130
 
 
 @pytest.mark.parametrize("spec", [K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16),
@@ -305,17 +355,18 @@ def test_mma_split_ptx_keeps_its_fast_paths(tmp_path, kv):
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
 def test_mma_merge_ptx_weighs_splits_with_single_instructions(tmp_path, kv):
-    """The CUDA @merge's split weights exp(m - max) are one ex2.approx each and 1 / l one
+    """The CUDA merge's split weights exp(m - max) are one ex2.approx each and 1 / l one
     rcp.approx: math.exp became IREE's polynomial (its ln 2 high part 0xBF318000) and the f32
     division div.rn.f32 a slow-path branch, @merge 1.73 -> 1.63 us at fp8 B=64 and 2.34 -> 1.98
-    at B=8 on the H200 (benchmarks/PERF.md)."""
-    _, merge = _entry_ptx(tmp_path, K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv), 16), "merge")
-    # a weight per split in each of @merge's forms: a row (2 and 4 splits; 4 in two parts), a
-    # head pair (8, 16 splits), and the one-split case LLVM may fold
-    assert merge.count("ex2.approx") >= 2 + 4 + 4 + 8 + 16
-    assert "0fBF318000" not in merge
-    assert "div.rn.f32" not in merge and "div.full" not in merge
-    assert merge.count("rcp.approx") == 3  # one per form's normalisation
+    at B=8 on the H200 (benchmarks/PERF.md). With fused_merge the merge is @split's tail."""
+    spec = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv), 16)
+    assert spec.tuning.fused_merge
+    _, split = _entry_ptx(tmp_path, spec)
+    # the merge's weights: a chunk of min(n, 8) splits per step for 2, 4, 8, 16 splits, beside
+    # the block loop's softmax
+    assert split.count("ex2.approx") >= 2 + 4 + 8 + 8
+    assert "0fBF318000" not in split
+    assert split.count("rcp.approx") == 1  # the merge's normalisation (one split divides: div.rn)
 
 
 def test_a_knob_is_part_of_the_variant_name():
@@ -324,9 +375,13 @@ def test_a_knob_is_part_of_the_variant_name():
     base = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16)
     other = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16, AttendTuning(bt_preload=512))
     assert base.name != other.name and "bt1024" in base.name and "bt512" in other.name
-    assert base.name.endswith(".L1.r16s16-r32s8-r64s4-r128s2.mr4x2.bt1024.cta2.ev")  # bf16: no fp8 knobs
+    # bf16: no fp8 knobs; fused_merge: no @merge grid knobs
+    assert base.name.endswith(".L1.r16s16-r32s8-r64s4-r128s2.bt1024.cta2.ev.fm")
     fp8 = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16)
-    assert fp8.name.endswith(".hwcvt.akv.qf")  # no early V with cp.async staging
+    assert fp8.name.endswith(".hwcvt.akv.qf.fm")  # no early V with cp.async staging
+    unfused = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16,
+                                        dataclasses.replace(base.tuning, fused_merge=False))
+    assert unfused.name.endswith(".L1.r16s16-r32s8-r64s4-r128s2.mr4x2.bt1024.cta2.ev")
     mfma = K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16)
     assert ".r16s8-r32s8-r64s4-r128s2." in mfma.name and ".wpe4." in mfma.name
     assert ".wpe" not in K.SparseAttnDecodeMfmaEmulatedSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16).name

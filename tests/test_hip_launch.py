@@ -49,13 +49,13 @@ def test_the_code_object_and_its_metadata(build):
     hsaco = hsaco_of(vmfb)
     assert hsaco[:4] == b"\x7fELF" and int.from_bytes(hsaco[18:20], "little") == 224
     kernels = kernels_of(hsaco)
-    assert set(kernels) == {"split", "merge"}
+    assert set(kernels) == {"split"}  # fused_merge
     out, _ = build
     asm = "".join(f.read_text() for f in (out / "isa" / MFMA.name).glob("*.rocmasm"))
     for name, info in kernels.items():
         assert info.args == _yaml_args(asm, name), name
         assert info.block == (256, 1, 1)
-    assert kernels["split"].lds_bytes > 0 and kernels["merge"].lds_bytes == 0
+    assert kernels["split"].lds_bytes > 0
     assert kernels["split"].kernarg_size == 8 * 11 + 4 * sum(k == "by_value" for _, _, k in kernels["split"].args)
 
 
@@ -74,7 +74,7 @@ def test_the_plan_passes_each_kernel_the_arguments_it_declares(build, tokens):
     vmfb, plan = _module(build, MFMA)
     kernels = kernels_of(hsaco_of(vmfb))
     dispatches = DispatchPlan(plan).evaluate(*_operands(MFMA, tokens))
-    assert [d[0] for d in dispatches] == ["split", "merge"]
+    assert [d[0] for d in dispatches] == ["split"]
     assert dispatches[0][1] == [MFMA.splits(tokens), tokens, 1]
     for name, grid, constants, bindings in dispatches:
         check_kernarg_layout(kernels[name], len(bindings), len(constants))

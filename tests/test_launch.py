@@ -14,6 +14,7 @@ import torch
 from msa_iree import compile as C
 from msa_iree import ops as K
 from msa_iree.config import MsaConfig
+from msa_iree.ops.tuning import ARRIVAL_COUNTERS
 from msa_iree.runtime.cuda_launch import (DispatchPlan, StreamKernel, entries_using_shared, ptx_entries, ptx_of, shared_bytes,
                              with_dependent_launch, with_l2_evict_first)
 
@@ -52,15 +53,11 @@ def test_grids_follow_the_tuning_tables_split_rule(build, tokens):
     table gives (ops/tuning.py; spec.splits reads it), at and around each of its row limits."""
     rows = tokens  # the mma spec: one KV head
     dispatches = _plan(build, MMA).evaluate(*_operands(MMA, tokens))
-    assert [d[0] for d in dispatches] == ["split", "merge"]
-    n = MMA.splits(rows)
-    assert dispatches[0][1] == [n, rows, 1]
-    # @merge: one empty workgroup with one split, a workgroup per row up to merge_rows_splits,
-    # merge_row_parts of them at exactly merge_rows_splits, per (row, head pair) above
-    t = MMA.tuning
-    assert dispatches[1][1] == ([1, 1, 1] if n == 1 else [rows, 1, 1] if n < t.merge_rows_splits
-                                else [rows, t.merge_row_parts, 1] if n == t.merge_rows_splits else [rows, 8, 1])
+    # fused_merge: a row's last split merges it, no @merge dispatch
+    assert [d[0] for d in dispatches] == ["split"]
+    assert dispatches[0][1] == [MMA.splits(rows), rows, 1]
     fma = _plan(build, FMA).evaluate(*_operands(FMA, tokens))
+    assert [d[0] for d in fma] == ["split", "merge"]
     assert fma[0][1] == [FMA.splits(2 * tokens), 2 * tokens, 1] and fma[1][1] == [2 * tokens, 8, 1]
 
 
@@ -75,7 +72,7 @@ def test_plans_pass_what_the_ptx_takes(build):
     for spec in (MMA, FMA):
         vmfb = (out / kernels[spec.name]["file"]).read_bytes()
         entries = ptx_entries(ptx_of(vmfb).decode())
-        assert set(entries) == {"split", "merge"}
+        assert set(entries) == ({"split"} if spec.tuning.fused_merge else {"split", "merge"})
         for name, grid, constants, bindings in _plan(build, spec).evaluate(*_operands(spec, 40)):
             block, pointers, words = entries[name]
             assert block == (256, 1, 1) or (name == "merge" and block == (128, 1, 1))
@@ -83,9 +80,10 @@ def test_plans_pass_what_the_ptx_takes(build):
             assert all(0 <= k < 11 for k, _ in bindings)
     # the mma split's LDS: row maxima 16 x 8 f32, P fragments 8 x 32 x 4 i32, the block table 16
     # index + 16 i32 (templates/mma_split.j2, the template's TB/TK), the staged block-table row
-    # (the tuning's bt_preload i32)
+    # (the tuning's bt_preload i32), the fused merge's one i32 flag (this workgroup is the row's last)
     vmfb = (out / kernels[MMA.name]["file"]).read_bytes()
-    assert shared_bytes(vmfb, (256, 1, 1)) == 16 * 8 * 4 + 8 * 32 * 4 * 4 + 16 * 8 + 16 * 4 + MMA.tuning.bt_preload * 4
+    assert shared_bytes(vmfb, (256, 1, 1)) == (16 * 8 * 4 + 8 * 32 * 4 * 4 + 16 * 8 + 16 * 4 + MMA.tuning.bt_preload * 4
+                                               + 4)
 
 
 def test_only_kernels_that_touch_shared_memory_get_it(build):
@@ -113,8 +111,8 @@ def test_plans_refuse_what_iree_refuses(build):
     with pytest.raises(ValueError, match="output: expected as many rows as the query"):
         plan.evaluate(shapes[:9] + [(9, 16, 128)] + shapes[10:], dtypes)
     with pytest.raises(ValueError, match="workspace"):
-        plan.evaluate(*_operands(MMA, 8, workspace=8 * 16 * 16 * 130 - 1))
-    plan.evaluate(*_operands(MMA, 8, workspace=8 * 16 * 16 * 130))  # exactly enough
+        plan.evaluate(*_operands(MMA, 8, workspace=ARRIVAL_COUNTERS + 8 * 16 * 16 * 130 - 1))
+    plan.evaluate(*_operands(MMA, 8, workspace=ARRIVAL_COUNTERS + 8 * 16 * 16 * 130))  # exactly enough
 
 
 def test_what_is_not_interpreted_raises():
@@ -197,8 +195,8 @@ def test_a_bound_launch_passes_what_an_unbound_one_passes(build, tokens, depende
         later[i] = t
     bound(77, later[0].data_ptr(), later[3].data_ptr(), later[9].data_ptr())
     sk(later, 77)
-    bound_launches, launches = driver.launched[:2], driver.launched[2:]
-    assert [d[0] for d in launches] == ["split", "merge"]
+    bound_launches, launches = driver.launched[:1], driver.launched[1:]
+    assert [d[0] for d in launches] == ["split"]  # fused_merge
     assert bound_launches == launches
     # the later tensors' addresses went out, not those the launch was bound with
     passed = {v for d in bound_launches for v in d[5]}

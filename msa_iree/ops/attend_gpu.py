@@ -5,15 +5,17 @@ parts of @split (`templates/<family>_split.j2`) and reads its row of the tuning 
 Same operation as the portable `sparse_attn_decode` / `sparse_attn_prefill` (the sparse table
 build fused into the attend), another module interface: k/v pages arrive flat, [pages * H, 2048]
 storage elements, and the output tensor and a workspace come last as the results' storage. GPU
-targets only (llvm-cpu cannot lower gpu.thread_id). Two dispatches: @split (a workgroup per
-(row, split): online softmax over the split's blocks, partials into the workspace) and @merge.
+targets only (llvm-cpu cannot lower gpu.thread_id). @split: a workgroup per (row, split), online
+softmax over the split's blocks, partials into the workspace; @merge combines them. With the
+tuning row's fused_merge (the matrix families) there is no @merge dispatch: a row's last @split
+workgroup to finish merges the row, counted in the workspace's arrival counters.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from .spec import FP8_FORMAT, MLIR_ELEMENT, TemplateSpec, render_template
-from .tuning import TUNING, AttendTuning
+from .tuning import ARRIVAL_COUNTERS, TUNING, AttendTuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,7 @@ class GpuAttendSpec(TemplateSpec):
     # main writes only into operands it is given (the output and the workspace, the last two), so
     # that msa_iree.runtime.cuda_launch can launch it on torch's stream
     written_operands = (-2, -1)
+    FUSED_FAMILIES = ("mma", "mfma")  # whose @split can write the output (fused_merge)
     GROUP_SIZES = (8, 16)  # heads per KV head: softmax groups are subgroup clusters of 256 / G <= 32 lanes
 
     def __post_init__(self):
@@ -48,6 +51,9 @@ class GpuAttendSpec(TemplateSpec):
                              f"got {self.cfg.group_size}")
         if self.cfg.topk != 16:
             raise ValueError(f"topk: expected 16 for the GPU attend, got {self.cfg.topk}")
+        if self.tuning.fused_merge and self.family not in self.FUSED_FAMILIES:
+            raise ValueError(f"tuning.fused_merge: expected only for the {'/'.join(self.FUSED_FAMILIES)} families "
+                             f"(their @split writes the output itself), got it for {self.family}")
         if self.read_once and not self.paged:
             raise ValueError(f"read_once: expected only for a page-table attend (its rows' reads are not known "
                              f"from its operands), got it for {self.kernel}")
@@ -76,11 +82,13 @@ class GpuAttendSpec(TemplateSpec):
         async_kv = t.async_kv_fp8 and fp8
         # a given page table has no block-table row to stage (nor q loads to overlap with it)
         bt_preload = 0 if self.paged else t.bt_preload
-        return {"SPLITS": self.tuning.split_rule(fp8), "MERGE_ROWS_SPLITS": t.merge_rows_splits,
-                "MRP": t.merge_row_parts, "BT_PRELOAD": bt_preload, "MIN_CTAS": t.min_ctas_per_sm,
+        # with fused_merge there is no @merge dispatch for its grid knobs to shape
+        merge_rows_splits, merge_row_parts = (0, 1) if t.fused_merge else (t.merge_rows_splits, t.merge_row_parts)
+        return {"SPLITS": self.tuning.split_rule(fp8), "MERGE_ROWS_SPLITS": merge_rows_splits,
+                "MRP": merge_row_parts, "BT_PRELOAD": bt_preload, "MIN_CTAS": t.min_ctas_per_sm,
                 "WAVES_PER_EU": None if self.emulate_mfma else t.waves_per_eu, "HW_FP8": hw_fp8,
                 "ASYNC_KV": async_kv, "EARLY_V": t.early_v and not fp8,
-                "Q_FIRST": self.q_first_applies(t.q_first and bt_preload > 0)}
+                "Q_FIRST": self.q_first_applies(t.q_first and bt_preload > 0), "FUSED_MERGE": t.fused_merge}
 
     def q_first_applies(self, wanted: bool) -> bool:
         return wanted
@@ -99,7 +107,7 @@ class GpuAttendSpec(TemplateSpec):
         if k["WAVES_PER_EU"]:
             parts.append(f"wpe{k['WAVES_PER_EU']}")
         parts += [flag for key, flag in (("HW_FP8", "hwcvt"), ("ASYNC_KV", "akv"), ("EARLY_V", "ev"),
-                                         ("Q_FIRST", "qf")) if k[key]]
+                                         ("Q_FIRST", "qf"), ("FUSED_MERGE", "fm")) if k[key]]
         return ".".join(parts)
 
     @property
@@ -119,7 +127,7 @@ class GpuAttendSpec(TemplateSpec):
                                QT=MLIR_ELEMENT[c.query_dtype], KT=MLIR_ELEMENT[c.kv_dtype],
                                FP8=FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill, PAGED=self.paged,
                                MMA=self.family == "mma", MFMA=self.family == "mfma", EMULATE=self.emulate_mfma,
-                               **self.knobs())
+                               ARRIVALS=ARRIVAL_COUNTERS, **self.knobs())
 
     # ---- what the runtime needs to know ----
 
@@ -129,10 +137,21 @@ class GpuAttendSpec(TemplateSpec):
 
     def workspace_floats(self, num_tokens: int) -> int:
         """f32 elements of the workspace `main` takes after the output, enough for any call of up
-        to num_tokens tokens: the split partials o and (m, l), 130 floats per (row, split, head)
-        (the MFMA family stores o in f16 and (m, l, o's scale): 67 floats of that room)."""
+        to num_tokens tokens: ARRIVAL_COUNTERS i32 counters (zero before the first call; every
+        call leaves them zero), then the split partials o and (m, l), 130 floats per (row, split,
+        head) (the MFMA family stores o in f16 and (m, l, o's scale): 67 floats of that room)."""
         rows = num_tokens * self.cfg.num_kv_heads
-        return self.tuning.max_partials(rows, self.cfg.is_fp8) * self.cfg.group_size * 130
+        return ARRIVAL_COUNTERS + self.tuning.max_partials(rows, self.cfg.is_fp8) * self.cfg.group_size * 130
+
+    def for_graph(self) -> "GpuAttendSpec":
+        """The variant a CUDA / HIP graph captures: with fused_merge, the same attend in two
+        dispatches (@split, @merge). A graph replays its launches without host time, and there
+        the separate @merge is faster at 16 and 8 splits (the row's last workgroup merging every
+        head reads its 8-16 partials alone; benchmarks/PERF.md); eagerly the one launch fewer is
+        worth more. Itself without fused_merge."""
+        if not self.tuning.fused_merge:
+            return self
+        return dataclasses.replace(self, tuning=dataclasses.replace(self.tuning, fused_merge=False))
 
     @property
     def kv_read_once(self) -> bool:

@@ -11,7 +11,8 @@ o; no barrier in the block loop), combined once per split. QK as S^T = K q^T, so
 fragment is PV's B operand in O^T = V^T P^T (P never leaves the registers). q is staged in LDS.
 e4m3fnuz words convert in hardware (v_cvt_pk_f32_fp8); e4m3fn words decode by integer ops. A
 split's partial o goes to the workspace in f16 relative to its head's largest |o|, and fp8 rows
-split at most 8 ways: the bytes between the two dispatches stay under 10% of the K/V a row reads.
+split at most 8 ways: the bytes between the split and the merge stay under 10% of the K/V a row
+reads.
 Knobs: the "mfma" row of ops/tuning.py.
 """
 from __future__ import annotations

@@ -19,6 +19,10 @@ SPLITS = ((16, 16), (32, 8), (64, 4), (128, 2))
 # fp8 rows of the MFMA attend split at most 8 ways: the partials written between its two
 # dispatches stay under 10% of the K/V bytes a row reads (f32 partials at 16 splits: 25%)
 SPLITS_AT_MOST_8 = ((16, 8), (32, 8), (64, 4), (128, 2))
+# The attend's workspace opens with one i32 counter per row that a split rule may split (rows
+# 0..ARRIVAL_COUNTERS - 1), its partials after: with fused_merge a row's workgroups count
+# themselves done there and the last one merges the row (it sets the count back to 0)
+ARRIVAL_COUNTERS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +40,7 @@ class AttendTuning:
     async_kv_fp8: bool = False            # CUDA: fp8 K/V staged in LDS by cp.async one block ahead
     early_v: bool = False                 # CUDA, K/V read into registers: V requested right after QK
     q_first: bool = False                 # q requested during the page-id fetch (needs bt_preload)
+    fused_merge: bool = False             # one dispatch: a row's last @split workgroup to finish merges it
 
     def __post_init__(self):
         for name in ("splits", "splits_fp8"):
@@ -44,6 +49,10 @@ class AttendTuning:
             if not rule or rows != sorted(rows) or any(s < 1 or 16 % s for _, s in rule):
                 raise ValueError(f"AttendTuning.{name}: expected ((rows, splits), ...) with rows ascending and "
                                  f"splits dividing 16, got {rule!r}")
+        split_rows = max([r for rule in (self.splits, self.splits_fp8) for r, s in rule if s > 1], default=0)
+        if split_rows > ARRIVAL_COUNTERS:
+            raise ValueError(f"AttendTuning: expected rows split over workgroups only up to {ARRIVAL_COUNTERS} "
+                             f"(the workspace's arrival counters), got a rule splitting {split_rows} rows")
         if self.bt_preload % 256:  # the staged row is copied by the 256 threads, 256 columns a step
             raise ValueError(f"AttendTuning.bt_preload: expected a multiple of 256 block-table columns, "
                              f"got {self.bt_preload}")
@@ -76,6 +85,7 @@ TUNING = {
         async_kv_fp8=True,    # fp8 only: bf16's staging takes 64 KiB of LDS and was slower
         early_v=True,         # V's loads in flight during the softmax
         q_first=True,         # fp8 only (mma.q_first_applies): bf16's raw q early was slower
+        fused_merge=True,     # one launch, not two: a launch is ~4 us of host time a layer
     ),
     "mfma": AttendTuning(
         splits_fp8=SPLITS_AT_MOST_8,
@@ -84,6 +94,7 @@ TUNING = {
         waves_per_eu=4,       # fp8 124 VGPRs with it, 128 without; q in registers took 155
         hw_fp8=True,          # e4m3fnuz: v_cvt_pk_f32_fp8, 4 instructions per 4 values, not ~19
         q_first=True,         # the q staging's barrier had put a memory round trip before the first K
+        fused_merge=True,     # one dispatch: no launch (nor HIP graph node) for @merge
     ),
 }
 

@@ -16,6 +16,7 @@ from ..layout import BLOCK_SIZE, PAGES_PER_BLOCK, block_page_stride
 from ..ops import (GPU_ATTEND, GPU_PAGED_ATTEND, NATIVE_MATRIX, SparseAttnDecodeFmaSpec, SparseAttnDecodeSpec,
                    SparseAttnPrefillFmaSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 from ..ops.fp8 import storage_dtype
+from ..ops.tuning import ARRIVAL_COUNTERS
 from .binding import _contiguous_copies, _LayerBinding, _refresh_copies
 from .kv_insert import _insert_plan, _InsertLaunch, _run_insert
 from .library import KernelLibrary, _current_raw_stream, module_scale
@@ -80,6 +81,11 @@ class SparseAttention:
             checks.check_dtype("workspace", workspace, torch.float32)
             if not workspace.is_contiguous():
                 raise ValueError("workspace: expected a contiguous tensor, got a strided view")
+            if workspace.numel() < ARRIVAL_COUNTERS:
+                raise ValueError(f"workspace: expected at least {4 * ARRIVAL_COUNTERS} bytes (its arrival counters), "
+                                 f"got {4 * workspace.numel()}")
+            # the attend's arrival counters (its first words) must start at zero; each call leaves them so
+            workspace[:ARRIVAL_COUNTERS].zero_()
             zero_copy = self.kernels.zero_copy and not self.kernels.stream_launch
             self._workspace_view = self.kernels.to_iree(workspace) if zero_copy else workspace
         # the hand-written GPU attend (decode and prefill) where the target and head grouping allow it
@@ -96,15 +102,17 @@ class SparseAttention:
     def _folded(cache):
         return cache.reshape(-1, *cache.shape[2:]).view(storage_dtype(cache.dtype))
 
-    def _spec(self, cls, stride, decode_query_len=1, read_once=False):
+    def _spec(self, cls, stride, decode_query_len=1, read_once=False, graph=False):
         """cls's spec for this layer, made once. read_once (the GPU page-table attend only): the
         step's rows each read their own pages (a decode step of one token a sequence: its loads
-        then carry the L2 evict-first hint)."""
-        key = (cls, stride, decode_query_len, read_once)
+        then carry the L2 evict-first hint). graph: the call is being captured in a CUDA / HIP
+        graph, which launches the GPU decode attends' graph variant (GpuAttendSpec.for_graph)."""
+        key = (cls, stride, decode_query_len, read_once, graph)
         spec = self._specs.get(key)
         if spec is None:
             fields = {"read_once": True} if read_once else {}
-            spec = self._specs[key] = cls(self.cfg.replace(decode_query_len=decode_query_len), stride, **fields)
+            spec = cls(self.cfg.replace(decode_query_len=decode_query_len), stride, **fields)
+            self._specs[key] = spec = spec.for_graph() if graph else spec
         return spec
 
     def _on(self, device):
@@ -163,8 +171,11 @@ class SparseAttention:
         return [views[n] for n in names]
 
     def workspace_size(self, max_num_tokens: int) -> int:
-        """Bytes of the GPU attend's workspace (its split partials) that serve any step of up to
-        max_num_tokens tokens, decode or prefill: the size of a caller-owned `workspace`."""
+        """Bytes of the GPU attend's workspace (its arrival counters, then its split partials)
+        that serve any step of up to max_num_tokens tokens, decode or prefill: the size of a
+        caller-owned `workspace`. The layer zeroes the counters when it is given the workspace;
+        the caller keeps other kernels from writing its first 512 bytes (ARRIVAL_COUNTERS i32)
+        while layers use it (the library's own workspace is the attend's alone)."""
         specs = (self._spec(self.decode_spec, 16), self._spec(self.prefill_spec, 16))
         return 4 * max(s.workspace_floats(max_num_tokens) for s in specs)
 
@@ -239,8 +250,10 @@ class SparseAttention:
         if not isinstance(metadata, MsaMetadata):
             raise TypeError(f"metadata: expected an MsaMetadata (MetadataBuilder.build) or None (a profiling run), "
                             f"got {type(metadata).__name__}")
+        # a call being captured in a CUDA / HIP graph launches the decode attends' graph variants
+        graph = query.is_cuda and torch.cuda.is_current_stream_capturing()
         bound = self._decode_launch
-        if (bound is not None and sparse_block_table is None and sparse_context_lens is None
+        if (bound is not None and bound.graph == graph and sparse_block_table is None and sparse_context_lens is None
                 and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale)):
             return output  # a bound step of the same shape: only what changes per call was checked
         cfg, h = self.cfg, self.cfg.num_kv_heads
@@ -266,7 +279,7 @@ class SparseAttention:
         _refresh_copies(layer.refresh)
         if emitted and gpu_paged and n:  # the GPU attend over the given table: every row of the step in one launch
             read_once = metadata.prefill is None and metadata.decode.decode_query_len == 1
-            spec = self._spec(self.paged_spec, stride, read_once=read_once)
+            spec = self._spec(self.paged_spec, stride, read_once=read_once, graph=graph)
             kpv, vpv, scale_v, ksv, vsv = layer.views
             args = (_rows(query, 0, n), kpv, vpv, sparse_block_table[:n * h].reshape(n, h, -1),
                     sparse_context_lens[:n * h].reshape(n, h), scale_v, ksv, vsv)
@@ -283,7 +296,7 @@ class SparseAttention:
                 args = (q, kp, vp, sparse_block_table[lo * h:hi * h].reshape(hi - lo, h, -1),
                         sparse_context_lens[lo * h:hi * h].reshape(hi - lo, h), *common)
             elif phase is metadata.decode and self.gpu_decode:
-                spec = self._spec(self.decode_spec, stride, phase.decode_query_len)
+                spec = self._spec(self.decode_spec, stride, phase.decode_query_len, graph=graph)
                 kpv, vpv, scale_v, ksv, vsv = layer.views
                 args = (q, kpv, vpv, _rows(topk, lo, hi, 1), *self._step_views(phase, "block_table", "seq_lens"),
                         scale_v, ksv, vsv)
@@ -303,7 +316,8 @@ class SparseAttention:
                 self.kernels.run(spec, *args, out=[_rows(output, lo, hi), ws])  # written in place
                 if phase is metadata.decode and self.gpu_decode and not emitted and metadata.prefill is None:
                     self._decode_launch = _DecodeLaunch.bind(self.kernels, spec, metadata, layer, (k_cache, v_cache,
-                                                             k_scale, v_scale), (query, topk, output), args, ws)
+                                                             k_scale, v_scale), (query, topk, output), args, ws,
+                                                             graph)
                 continue
             (o,) = self.kernels.run(spec, *args, out_dtypes=[query.dtype])
             output[lo:hi].copy_(o)
@@ -323,10 +337,11 @@ class _DecodeLaunch(_LayerBinding):
     _LayerBinding the layer's)."""
 
     @classmethod
-    def bind(cls, kernels, spec, metadata, layer, layer_tensors, call_tensors, args, workspace):
+    def bind(cls, kernels, spec, metadata, layer, layer_tensors, call_tensors, args, workspace, graph=False):
         """None unless the attend is launched on torch's stream from the call tensors' own memory.
         layer_tensors: (k_cache, v_cache, k_scale, v_scale); call_tensors: (query, topk, output);
-        args: the decode module's inputs as forward passed them (query rows at 0, top-k rows at 3)."""
+        args: the decode module's inputs as forward passed them (query rows at 0, top-k rows at 3);
+        graph: whether it was bound while a graph was captured (it then serves only such calls)."""
         sk = kernels.stream_kernel(spec) if kernels.stream_launch else None
         query, topk, output = call_tensors
         # the kernel reads rows from the first: their addresses are the whole tensors' if contiguous
@@ -336,6 +351,7 @@ class _DecodeLaunch(_LayerBinding):
         if args[4].data_ptr() != d.block_table.data_ptr() or args[5].data_ptr() != d.seq_lens.data_ptr():
             return None  # the step's tensors were copied for the launch: a later step would not be seen
         self = cls()
+        self.graph = graph
         self.num_blocks = layer.num_blocks
         self._hold(metadata.step_key, layer_tensors, layer.refresh)
         self.q_shape, self.q_dtype, self.topk_shape = query.shape, query.dtype, topk.shape

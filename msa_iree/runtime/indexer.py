@@ -132,7 +132,7 @@ class Indexer:
         if columns > MAX_COLUMNS:
             raise ValueError(f"metadata: expected an index block table of at most {MAX_COLUMNS} columns "
                              f"({MAX_COLUMNS * BLOCK_SIZE} tokens) for the GPU indexer, got {columns}")
-        ws = self.kernels.workspace(spec.workspace_floats(index_q.shape[0], columns), index_q.device)
+        ws = self.kernels.workspace(spec.workspace_floats(index_q.shape[0], columns), index_q.device, "indexer")
         self.kernels.run(spec, index_q, raw.view(raw.shape[0], -1), metadata.block_table, metadata.token_req_id,
                          metadata.token_abs_pos, *extra, out=[*outputs, ws])
 

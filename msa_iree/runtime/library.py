@@ -143,7 +143,7 @@ class KernelLibrary:
         self._functions = {}
         self._entries = {}
         self._unit_scales = {}  # device -> [>= 64, 1] f32 ones (the scale operand of 16-bit caches)
-        self._workspaces = {}  # device -> (f32 tensor, what a call passes: its IREE view or itself)
+        self._workspaces = {}  # (owner, device) -> (f32 tensor, what a call passes: its IREE view or itself)
 
     def unit_scale(self, num_kv_heads: int, device) -> torch.Tensor:
         """[H, 1] f32 ones on `device`, the scale operand of a 16-bit cache (the attend's and the KV
@@ -154,17 +154,23 @@ class KernelLibrary:
             ones = self._unit_scales[device] = torch.ones(max(64, num_kv_heads), 1, device=device)
         return ones[:num_kv_heads]
 
-    def workspace(self, floats: int, device):
-        """The GPU attend's scratch (its split partials, `spec.workspace_floats`), one per device,
-        shared by every layer that calls through this library: their kernels run one after another
-        on one stream, so one layer's partials are consumed before the next layer's are written.
-        Grown (reallocated, never below 1 MiB) when a call needs more, so the steady state
-        allocates nothing; a launch bound to the old buffer keeps it alive. Returns what a call
-        passes: the tensor, or its IREE view for IREE's own call on a GPU driver."""
-        ws = self._workspaces.get(device)
+    def workspace(self, floats: int, device, owner: str = "attend"):
+        """Scratch for the GPU kernels of `owner` ("attend": the attend's arrival counters and
+        split partials, `spec.workspace_floats`; "indexer": the indexer's), one per device and
+        owner, shared by every layer that calls through this library: their kernels run one after
+        another on one stream, so one layer's partials are consumed before the next layer's are
+        written. The attend's starts zeroed (its arrival counters must be zero before a call and
+        every call leaves them so; the indexer's kernels never touch it). Grown (reallocated,
+        never below 1 MiB) when a call needs more, so the steady state allocates nothing; a launch
+        bound to the old buffer keeps it alive. Returns what a call passes: the tensor, or its
+        IREE view for IREE's own call on a GPU driver."""
+        if owner not in ("attend", "indexer"):
+            raise ValueError(f"owner: expected 'attend' or 'indexer', got {owner!r}")
+        ws = self._workspaces.get((owner, device))
         if ws is None or ws[0].numel() < floats:
-            t = torch.empty(max(floats, 1 << 18, 2 * ws[0].numel() if ws else 0), dtype=torch.float32, device=device)
-            ws = self._workspaces[device] = (t, self.to_iree(t) if self.zero_copy and not self.stream_launch else t)
+            size = max(floats, 1 << 18, 2 * ws[0].numel() if ws else 0)
+            t = (torch.zeros if owner == "attend" else torch.empty)(size, dtype=torch.float32, device=device)
+            ws = self._workspaces[owner, device] = (t, self.to_iree(t) if self.zero_copy and not self.stream_launch else t)
         return ws[1]
 
     @property
