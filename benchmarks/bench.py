@@ -516,7 +516,7 @@ def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_le
             specs += [cls(MsaConfig(num_heads=hq, kv_dtype=kv), 16) for hq in heads
                       for cls in (SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec)]
     # and the decode attends' graph variants (what the graph-captured rows launch)
-    return list({v.name: v for s in specs for v in (s, s if s.prefill else s.for_graph())}.values())
+    return list({v.name: v for s in specs for v in (s, s.for_graph())}.values())
 
 
 def dtype_rows(lib, device, kv_name, heads, query_lens, contexts, batches, iters, matrix="auto", prefill=False,

@@ -84,5 +84,5 @@ def gpu_test_specs():
     for kv in ("bf16", "fp8_e4m3fn"):  # runtime.Indexer's, and the benchmark's
         specs += indexer_set(indexer_config(1, kv, "bf16"), "cuda").specs()
     # and the decode attends' graph variants (what a forward captured in a CUDA graph launches)
-    specs += [s.for_graph() for s in specs if hasattr(s, "for_graph") and not s.prefill]
+    specs += [s.for_graph() for s in specs if hasattr(s, "for_graph")]
     return list({s.name: s for s in specs}.values())

@@ -144,12 +144,13 @@ class GpuAttendSpec(TemplateSpec):
         return ARRIVAL_COUNTERS + self.tuning.max_partials(rows, self.cfg.is_fp8) * self.cfg.group_size * 130
 
     def for_graph(self) -> "GpuAttendSpec":
-        """The variant a CUDA / HIP graph captures: with fused_merge, the same attend in two
-        dispatches (@split, @merge). A graph replays its launches without host time, and there
-        the separate @merge is faster at 16 and 8 splits (the row's last workgroup merging every
-        head reads its 8-16 partials alone; benchmarks/PERF.md); eagerly the one launch fewer is
-        worth more. Itself without fused_merge."""
-        if not self.tuning.fused_merge:
+        """The variant a CUDA / HIP graph captures: a decode or page-table attend with fused_merge
+        as the same attend in two dispatches (@split, @merge). A graph replays its launches
+        without host time, and there the separate @merge is faster at 16 and 8 splits (the row's
+        last workgroup merging every head reads its 8-16 partials alone; benchmarks/PERF.md);
+        eagerly the one launch fewer is worth more. Itself otherwise (a prefill is not captured:
+        its rows take one split)."""
+        if self.prefill or not self.tuning.fused_merge:
             return self
         return dataclasses.replace(self, tuning=dataclasses.replace(self.tuning, fused_merge=False))
 
