@@ -515,8 +515,9 @@ def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_le
         if prefill:  # (every head count: the serving step's mixed batches)
             specs += [cls(MsaConfig(num_heads=hq, kv_dtype=kv), 16) for hq in heads
                       for cls in (SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec)]
-    # and the decode attends' graph variants (what the graph-captured rows launch)
-    return list({v.name: v for s in specs for v in (s, s.for_graph())}.values())
+    # and the decode attends' graph variants (what the graph-captured rows launch) and inserting
+    # variants (the serving step's eager decode layers: forward(key=, value=))
+    return list({v.name: v for s in specs for v in (s, s.for_graph(), s.with_insert() or s)}.values())
 
 
 def dtype_rows(lib, device, kv_name, heads, query_lens, contexts, batches, iters, matrix="auto", prefill=False,

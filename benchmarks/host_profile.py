@@ -4,6 +4,8 @@
   interleaves it with 57 layers and reads higher), with --profile its cProfile top;
 - a layer's bound calls at B=64 4K: insert_kv, forward, their bound launches alone, one kernel
   launch through ctypes (and through cuda-bindings when it is importable), the bound checks;
+  then forward(key=, value=) (the insert inside the attend's launch), its bound launch alone and
+  with --profile its cProfile top;
 - with --profile, the cProfile top of a mixed step's 57 layers (the fully checked path).
 
 Host times are per call, medians over rounds of 57 calls (one sync a round).
@@ -67,7 +69,7 @@ def build_rows(lib, device, profile):
 
 
 def launch_rows(lib, device):
-    case = ServingCase(lib, device, 64, 4096, 16, "fp8_e4m3fn")
+    case = ServingCase(lib, device, 64, 4096, 16, "fp8_e4m3fn", insert="separate")
     md = case.build()
     case.layers_call(md)
     c, layers = case.case, case.layers
@@ -112,6 +114,32 @@ def launch_rows(lib, device):
     torch.cuda.empty_cache()
 
 
+def inserting_rows(lib, device, profile):
+    """forward(key=, value=) at B=64 4K: one launch a layer (the insert inside the attend)."""
+    case = ServingCase(lib, device, 64, 4096, 16, "fp8_e4m3fn", insert="forward")
+    md = case.build()
+    case.layers_call(md)
+    c, layers = case.case, case.layers
+    bound = layers[0][0]._decode_launch
+    if bound is None or not bound.insert:
+        raise RuntimeError("forward(key=, value=) was not bound to the inserting attend: a build without it?")
+    turn = [0]
+
+    def forward():
+        turn[0] += 1
+        a, k, v, o = layers[turn[0] % len(layers)]
+        a.forward(case.q, k, v, o, case.topk, md, c.k_scale, c.v_scale, key=case.key, value=case.value)
+
+    stream = _current_raw_stream(device.index or 0)
+    ptrs = [t.data_ptr() for t in (case.q, case.topk, case.key, case.value, layers[0][3])]
+    print(f"forward(key=, value=): {per_call_us(forward):.2f} us; its bound launch alone "
+          f"({len(bound.launch._launches)} kernel): {per_call_us(lambda: bound.launch(stream, *ptrs)):.2f} us")
+    if profile:
+        print(profile_top(forward, 57 * 40))
+    del case
+    torch.cuda.empty_cache()
+
+
 def mixed_profile(lib, device):
     case = ServingCase(lib, device, 64, 4096, 16, "fp8_e4m3fn", 2048)
     case.layers_call(case.build())
@@ -136,6 +164,7 @@ def main(argv=None):
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, **launch_options(a))
     build_rows(lib, device, a.profile)
     launch_rows(lib, device)
+    inserting_rows(lib, device, a.profile)
     if a.profile:
         mixed_profile(lib, device)
     return 0

@@ -1,13 +1,15 @@
 """A serving step as an engine runs it, on one CUDA device: fresh metadata every step
 (`MetadataBuilder.build` on the step's own new tensors), then for each of 57 layers, each its own
-`SparseAttention` over its own KV cache, `insert_kv` of the step's new tokens and `forward`; one
-sync a step.
+`SparseAttention` over its own KV cache, the step's new tokens inserted and attended; one sync a
+step. --insert says how a layer inserts: "forward" (the default) passes them to `forward(key=,
+value=)`, which on a decode step writes them inside the attend's own launch (one launch a layer;
+a captured or mixed step inserts first); "separate" calls `insert_kv`, then `forward`.
 
 Cases: decode B x context x query heads per KV head x KV dtype (every request `context` tokens,
 one new), and a mixed step (one 2K-token prefill chunk, the last 2048 tokens of a 4K request,
 after 63 decodes at 4K). Per layer (a step's time / 57, medians over steps):
 - build_us: one step's `MetadataBuilder.build` (+ sync), not divided by the layers;
-- host_us: the host time of a layer's insert_kv + forward (the 57 layers issued, before the sync);
+- host_us: the host time of a layer's insert and attend (the 57 layers issued, before the sync);
 - eager_us: a step run eagerly: build + 57 layers + sync;
 - graph_us (decode steps): the step's 57 layers captured in a CUDA graph once, each replay after
   the next step's build wrote its metadata into the builder's buffers: replay + sync (vLLM runs
@@ -41,6 +43,7 @@ from .bench import DecodeCase, add_launch_args, capture_step, draw_topk, kernel_
 LAYERS = 57  # MiniMax-M3's sparse layers
 STEPS = 20   # timed steps per measurement
 STEP_TENSORS = 4  # distinct sets of step input tensors, cycled: every build sees new tensors
+INSERT_MODES = ("forward", "separate")
 
 
 class ServingCase:
@@ -48,7 +51,10 @@ class ServingCase:
     57 layers, and the new tokens' query, key and value."""
 
     def __init__(self, lib, device, batch, context, num_heads, kv_name, prefill_chunk=0, pool_gib=16.0,
-                 layers=LAYERS):
+                 layers=LAYERS, insert="forward"):
+        if insert not in INSERT_MODES:
+            raise ValueError(f"insert: expected one of {INSERT_MODES}, got {insert!r}")
+        self.insert = insert
         kv_dtype = DTYPES[kv_name]
         block_bytes = 2 * 128 * 128 * kv_dtype.itemsize
         mapped = batch * -(-context // 128)
@@ -90,6 +96,10 @@ class ServingCase:
 
     def layers_call(self, md):
         c = self.case
+        if self.insert == "forward":
+            for attn, k, v, out in self.layers:
+                attn.forward(self.q, k, v, out, self.topk, md, c.k_scale, c.v_scale, key=self.key, value=self.value)
+            return
         for attn, k, v, out in self.layers:
             attn.insert_kv(self.key, self.value, k, v, md, c.k_scale, c.v_scale)
             attn.forward(self.q, k, v, out, self.topk, md, c.k_scale, c.v_scale)
@@ -166,13 +176,13 @@ COLUMNS = [("build_us", 8, ".1f"), ("host_us", 7, ".1f"), ("eager_us", 8, ".1f")
 
 
 def format_table(rows) -> str:
-    head = (f"{'step':>8} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'build us':>8} {'host us':>7} {'eager us':>8} "
-            f"{'graph us':>8} {'kernels us':>10} {'eager/graph':>11} {'graph/kern':>10}")
+    head = (f"{'step':>8} {'insert':>8} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'build us':>8} {'host us':>7} "
+            f"{'eager us':>8} {'graph us':>8} {'kernels us':>10} {'eager/graph':>11} {'graph/kern':>10}")
     lines = ["per layer (57 layers a step; build us: a step's metadata build)", head]
     for r in rows:
         cells = [table_cell(r.get(k), w, f) for k, w, f in COLUMNS]
-        lines.append(f"{r['step']:>8} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} {r['batch']:>4} {r['context']:>6} "
-                     + " ".join(cells))
+        lines.append(f"{r['step']:>8} {r.get('insert', 'separate'):>8} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} "
+                     f"{r['batch']:>4} {r['context']:>6} " + " ".join(cells))
     return "\n".join(lines)
 
 
@@ -186,6 +196,7 @@ def main(argv=None):
     p.add_argument("--kv-dtype", default="fp8_e4m3fn,bf16")
     p.add_argument("--no-mixed", action="store_true", help="leave out the mixed step (2K prefill chunk + 63 decodes)")
     p.add_argument("--pool-gib", type=float, default=16.0, help="the layers' caches at most this much")
+    p.add_argument("--insert", default="forward", help=f"how layers insert, one row per mode: {','.join(INSERT_MODES)}")
     add_launch_args(p)
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--from-json", help="no run: print the table of an earlier run's JSON")
@@ -201,10 +212,14 @@ def main(argv=None):
     device = torch.device("cuda")
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, **launch_options(a))
     ints = lambda s: [int(x) for x in s.split(",") if x]
-    cases = [(kv, hq, b, ctx, 0) for kv in a.kv_dtype.split(",") for hq in ints(a.heads)
-             for ctx in ints(a.context) for b in ints(a.batch)]
+    modes = a.insert.split(",")
+    for m in modes:
+        if m not in INSERT_MODES:
+            p.error(f"--insert: expected modes among {','.join(INSERT_MODES)}, got {m!r}")
+    cases = [(kv, hq, b, ctx, 0, m) for kv in a.kv_dtype.split(",") for hq in ints(a.heads)
+             for ctx in ints(a.context) for b in ints(a.batch) for m in modes]
     if not a.no_mixed:
-        cases += [(kv, hq, 64, 4096, 2048) for kv in a.kv_dtype.split(",") for hq in ints(a.heads)]
+        cases += [(kv, hq, 64, 4096, 2048, m) for kv in a.kv_dtype.split(",") for hq in ints(a.heads) for m in modes]
     rows = []
 
     def save():  # the JSON rewritten as the run goes
@@ -213,10 +228,10 @@ def main(argv=None):
                 json.dump({"device": torch.cuda.get_device_name(), "command": "python -m benchmarks.serving_step "
                            + " ".join(argv if argv is not None else sys.argv[1:]), "rows": rows}, f, indent=1)
 
-    for kv, hq, b, ctx, chunk in cases:
-        case = ServingCase(lib, device, b, ctx, hq, kv, chunk, a.pool_gib)
-        row = {"step": "mixed" if chunk else "decode", "kv_dtype": kv, "q_heads": hq, "batch": b, "context": ctx,
-               "prefill_chunk": chunk, **measure(case, graph=not chunk)}
+    for kv, hq, b, ctx, chunk, mode in cases:
+        case = ServingCase(lib, device, b, ctx, hq, kv, chunk, a.pool_gib, insert=mode)
+        row = {"step": "mixed" if chunk else "decode", "insert": mode, "kv_dtype": kv, "q_heads": hq, "batch": b,
+               "context": ctx, "prefill_chunk": chunk, **measure(case, graph=not chunk)}
         rows.append(row)
         save()
         print(json.dumps(row), flush=True)
@@ -224,7 +239,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     for row in rows:  # kernel sums last (CUPTI)
         case = ServingCase(lib, device, row["batch"], row["context"], row["q_heads"], row["kv_dtype"],
-                           row["prefill_chunk"], a.pool_gib)
+                           row["prefill_chunk"], a.pool_gib, insert=row["insert"])
         case.layers_call(case.build())
         add_kernel_sum(case, row)
         del case

@@ -2,7 +2,8 @@
 over an fp8 KV cache, through the compiled host kernels, checked against the torch reference.
 
 Step 1 prefills two requests (their K/V written into the cache, then the attend); step 2 decodes
-one new token for each. Run it with `python examples/serving_step.py`.
+one new token for each, its K/V handed to the attend itself (on a GPU the decode attend writes
+them inside its own launch). Run it with `python examples/serving_step.py`.
 """
 import torch
 
@@ -44,9 +45,9 @@ def causal_topk(positions):
     return torch.tensor([[r + [-1] * (TOPK - len(r)) for r in rows]], dtype=torch.int32)
 
 
-def attend_and_check(query, topk, md, seq_lens, positions_per_request, decode):
+def attend_and_check(query, topk, md, seq_lens, positions_per_request, decode, **new_kv):
     output = torch.empty_like(query)
-    attn.forward(query, k_cache, v_cache, output, topk, md, k_scale, v_scale)
+    attn.forward(query, k_cache, v_cache, output, topk, md, k_scale, v_scale, **new_kv)
     ref = torch.empty_like(query)
     if decode:
         reference.sparse_attn_decode(query, k_cache, v_cache, topk, block_table, seq_lens, 1, SCALE, ref,
@@ -83,9 +84,10 @@ slot_mapping = torch.cat([slots(0, positions[0]), slots(1, positions[1])]).int()
 md = builder.build(block_table, seq_lens, query_start_loc, num_computed_tokens, decode_query_len=1,
                    num_decodes=2, slot_mapping=slot_mapping)
 key, value = (torch.randn(2, 1, 128).to(torch.bfloat16) for _ in range(2))
-attn.insert_kv(key, value, k_cache, v_cache, md, k_scale, v_scale)
 query = torch.randn(2, 16, 128).to(torch.bfloat16)
-err_decode = attend_and_check(query, causal_topk(torch.cat(positions)), md, seq_lens, positions, decode=True)
+# the new tokens' K/V go in with the attend (the same as insert_kv first, then forward)
+err_decode = attend_and_check(query, causal_topk(torch.cat(positions)), md, seq_lens, positions, decode=True,
+                              key=key, value=value)
 
 ok = err_prefill < 1.7e-2 and err_decode < 1.7e-2
 print(f"prefill max abs error {err_prefill:.2e}, decode {err_decode:.2e} (bound 1.7e-2): {'OK' if ok else 'MISMATCH'}")

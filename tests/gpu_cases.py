@@ -58,9 +58,10 @@ def gpu_test_specs():
         stride = LAYOUT_STRIDES[layout]
         cfg = MsaConfig(num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
         specs += [SparseAttnPrefillFmaSpec(cfg, stride), InsertKvGpuSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg, stride)]
-        specs += [cls(cfg.replace(decode_query_len=L), stride) for L in (1, 4)
-                  for cls in (SparseAttnDecodeFmaSpec, SparseAttnDecodeMmaSpec)]
-        specs += [MfmaPrefill(cfg, stride)] + [Mfma(cfg.replace(decode_query_len=L), stride) for L in (1, 4)]
+        decodes = [cls(cfg.replace(decode_query_len=L), stride) for L in (1, 4)
+                   for cls in (SparseAttnDecodeFmaSpec, SparseAttnDecodeMmaSpec, Mfma)]
+        # ... and the decode attends that insert the step's K/V themselves (forward(key=, value=))
+        specs += [MfmaPrefill(cfg, stride)] + decodes + [d.with_insert() for d in decodes if d.with_insert()]
     for kv, qd, layout, h in GPU_INSERT_CASES:
         cfg = MsaConfig(num_heads=8 * h, num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
         specs.append(InsertKvGpuSpec(cfg, LAYOUT_STRIDES[layout]))

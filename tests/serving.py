@@ -1,7 +1,9 @@
 """A small serving loop shared by the host and GPU runtime tests: requests over a shared paged
 cache; each step inserts K/V, draws top-k, builds metadata, attends, and checks the output
 against the torch reference (computed on the CPU). K/V go in through the layer's
-SparseAttention.insert_kv (runtime.insert_kv's checks; on a GPU its bound launch)."""
+SparseAttention.insert_kv (runtime.insert_kv's checks; on a GPU its bound launch), or with
+insert_in_forward through forward(key=, value=) (a GPU decode step: the attend's own launch),
+the cache then checked byte for byte against reference.insert_kv's."""
 import torch
 
 from msa_iree import reference as R
@@ -17,8 +19,9 @@ class Server:
     """Requests over a shared paged cache; each step inserts K/V, draws top-k, attends, checks."""
 
     def __init__(self, kernels, kv_dtype, q_dtype, layout, num_kv_heads, scale_mode, seed, device="cpu",
-                 num_heads=16, gpu_matrix="auto"):
+                 num_heads=16, gpu_matrix="auto", insert_in_forward=False):
         self.g = torch.Generator().manual_seed(seed)
+        self.layout, self.insert_in_forward = layout, insert_in_forward
         self.dev = torch.device(device)
         self.h, self.hq, self.kv_dtype, self.q_dtype = num_kv_heads, num_heads, kv_dtype, q_dtype
         self.num_blocks = 24
@@ -79,8 +82,17 @@ class Server:
 
         key = torch.randn(n, self.h, 128, generator=self.g).to(self.q_dtype).to(self.dev)
         value = torch.randn(n, self.h, 128, generator=self.g).to(self.q_dtype).to(self.dev)
-        self.attn.insert_kv(key, value, self.k_cache, self.v_cache, md, self.k_scale, self.v_scale)
-        want_k, want_v = self.k_cache.clone(), self.v_cache.clone()
+        cpu = lambda x: None if x is None else x.cpu()
+        if self.insert_in_forward:  # the cache forward must leave: the reference's insert into a copy
+            want_k, want_v = allocate_kv_cache(self.num_blocks, self.h, self.kv_dtype, self.layout, fill=0)
+            want_k.copy_(self.k_cache.cpu()), want_v.copy_(self.v_cache.cpu())
+            R.insert_kv(key.cpu(), value.cpu(), want_k, want_v, slot_mapping.cpu()[:n], cpu(self.k_scale),
+                        cpu(self.v_scale))
+            new_kv = {"key": key, "value": value}
+        else:
+            self.attn.insert_kv(key, value, self.k_cache, self.v_cache, md, self.k_scale, self.v_scale)
+            want_k, want_v = self.k_cache.clone(), self.v_cache.clone()
+            new_kv = {}
 
         # positions per token, then a top-k that always holds the query's own block
         pos = torch.cat([torch.arange(c, c + q) if x else torch.full((L,), -1) for x, c, q in zip(names, computed, qlens)])
@@ -89,11 +101,10 @@ class Server:
         q = torch.randn(n, self.hq, 128, generator=self.g).to(self.q_dtype)
         out = torch.full_like(q, float("nan"), device=self.dev)
         self.attn.forward(q.to(self.dev), self.k_cache, self.v_cache, out, topk.to(self.dev), md, self.k_scale,
-                          self.v_scale)
+                          self.v_scale, **new_kv)
         out = out.cpu()
 
         # the reference, on the CPU, from copies of everything the attend saw
-        cpu = lambda x: None if x is None else x.cpu()
         kc, vc, ks, vs = cpu(self.k_cache), cpu(self.v_cache), cpu(self.k_scale), cpu(self.v_scale)
         ref = torch.full_like(q, float("nan"))
         nd = md.num_decode_tokens
@@ -104,8 +115,9 @@ class Server:
             p = md.prefill
             R.sparse_attn_prefill(q[nd:], kc, vc, topk[:, nd:], cpu(p.block_table), cpu(p.query_req_id),
                                   cpu(p.query_abs_pos), self.h, 128 ** -0.5, ref[nd:], ks, vs)
-        assert torch.equal(self.k_cache.view(torch.uint8), want_k.view(torch.uint8))  # attend never writes KV
-        assert torch.equal(self.v_cache.view(torch.uint8), want_v.view(torch.uint8))
+        # the attend writes no KV (or, given key/value, exactly the insert's)
+        assert torch.equal(self.k_cache.cpu().view(torch.uint8), want_k.cpu().view(torch.uint8))
+        assert torch.equal(self.v_cache.cpu().view(torch.uint8), want_v.cpu().view(torch.uint8))
         assert not out.isnan().any(), "padded rows must be finite and every row written"
         active = pos >= 0
         assert_attend_close(out[active], ref[active], "serving step")

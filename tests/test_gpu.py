@@ -264,6 +264,28 @@ def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode, matri
     assert s.k_cache.device.type == "cuda"
 
 
+@pytest.mark.parametrize("kv, qd, layout, h, smode", gpu_cases.GPU_SERVING_CASES)
+@pytest.mark.parametrize("matrix", ["mma", "mfma"])
+def test_forward_inserts_a_decode_steps_kv_in_its_own_launch(cuda_kernels, kv, qd, layout, h, smode, matrix):
+    """forward(key=, value=): a decode-only step's attend writes the step's K/V itself (the
+    cache byte for byte the reference insert's, the output the reference attend's over it): checked
+    and bound calls, L = 1 and 4 (a token reads the request's earlier new tokens of the step),
+    padding requests, a request crossing into a new block; prefill and mixed steps insert first."""
+    from serving import Server
+
+    s = Server(cuda_kernels, DTYPES[kv], DTYPES[qd], layout, h, smode, seed=13, device="cuda", gpu_matrix=matrix,
+               insert_in_forward=True)
+    assert s.attn.fuses_insert
+    s.step([], [("a", 200), ("b", 126)], 1)                       # prefills: insert_kv, then the attend
+    for L, batch in ((1, ["a", "b"]), (4, ["a", "b", None, None])):
+        s.step(batch, [], L)                                      # checked: binds the inserting attend
+        bound = s.attn._decode_launch
+        assert bound is not None and bound.insert
+        s.step(batch, [], L)                                      # the next step of this shape: bound
+        assert s.attn._decode_launch is bound
+    s.step(["a"], [("c", 129)], 1)                                # mixed: insert_kv, then the attend
+
+
 INSERT_CASES = [(*c, m) for c in gpu_cases.GPU_INSERT_CASES for m in (("tensor", "token") if "fp8" in c[0] else ("none",))]
 
 
@@ -591,7 +613,8 @@ def test_forward_is_captured_by_a_cuda_graph(cuda_kernels, kv):
     with torch.cuda.graph(graph):
         fwd()
     # eagerly the one-dispatch attend, in the graph its two-dispatch variant (GpuAttendSpec.for_graph)
-    launched = {key[-1]: spec for key, spec in attn._specs.items() if key[0] is attn.decode_spec}
+    # (SparseAttention._spec's keys: (class, stride, L, read_once, graph, insert))
+    launched = {key[4]: spec for key, spec in attn._specs.items() if key[0] is attn.decode_spec and not key[5]}
     assert launched[False].tuning.fused_merge and launched[True] == launched[False].for_graph() != launched[False]
     gen = torch.Generator(device=dev).manual_seed(3)
     for _ in range(2):

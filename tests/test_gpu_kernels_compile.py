@@ -67,6 +67,49 @@ def test_the_decode_attends_graph_variant_is_the_two_dispatch_module():
             assert spec.for_graph().name in names, spec.name
 
 
+def test_the_inserting_decode_attend_writes_the_new_kv_before_its_first_page_read():
+    """with_insert (forward(key=, value=) on a decode step): the one-dispatch decode attend that
+    also takes key, value and slots after v_scale and writes the k/v page views in place (their
+    results' storage), every store before the barrier ahead of the block loop; on gfx942 a
+    workgroup fence on each side of it (its barrier orders LDS only). Only decode attends with
+    fused_merge have one; a deployment's kernel set holds it for each decode L and layout."""
+    for spec in (K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn", decode_query_len=4), 8),
+                 K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16)):
+        ins = spec.with_insert()
+        assert ins.insert_kv and ins.name == spec.name + ".ins" and ins.written_operands == (-2, -1, 1, 2)
+        text = ins.render()
+        main = text[text.index("func.func @main"):text.index("func.func private @attend")]
+        assert "%k: tensor<?x2048xi8> {iree.abi.output = 2 : index}" in main
+        assert "%v: tensor<?x2048xi8> {iree.abi.output = 3 : index}" in main
+        assert re.search(r"%vs: tensor<1x\?xf32>, %key: tensor<\?x1x128xbf16>, %value: tensor<\?x1x128xbf16>, "
+                         r"%slots: tensor<\?xi32>", main)
+        attend = text[text.index("func.func private @attend"):]
+        assert re.findall(r"flow\.dispatch @(\w+)::@(\w+)", attend) == [("msa_decode", "split")]
+        split = text[text.index("func.func @split"):]
+        loop = split.index("scf.for %i = %e0 to %e1")
+        barrier = split.rindex("gpu.barrier", 0, loop)
+        stores = [m.start() for m in re.finditer(r"memref\.store %ins_q, %[kv]p\[", split)]
+        assert len(stores) == 2 and max(stores) < barrier
+        assert not re.search(r"memref\.(load|store)[^\n]*%[kv]p\[", split[:min(stores)])  # no page access before
+        fences = re.findall(r'llvm\.fence syncscope\("workgroup"\) (\w+)', split[barrier - 200:barrier + 200])
+        assert fences == (["release", "acquire"] if spec.family == "mfma" else [])
+        assert spec.render() == dataclasses.replace(ins, insert_kv=False).render()
+    for spec in (K.SparseAttnDecodeFmaSpec(MsaConfig(), 16), K.SparseAttnPrefillMmaSpec(MsaConfig(), 16),
+                 K.SparseAttnPagedMmaSpec(MsaConfig(), 16), K.SparseAttnDecodeMmaSpec(MsaConfig(), 16).for_graph()):
+        assert spec.with_insert() is None, spec.name
+    with pytest.raises(ValueError, match="insert_kv: expected only for a decode attend with fused_merge"):
+        K.SparseAttnDecodeFmaSpec(MsaConfig(), 16, insert_kv=True)
+    with pytest.raises(ValueError, match="insert_kv: expected only for a decode attend with fused_merge"):
+        K.SparseAttnPrefillMmaSpec(MsaConfig(), 16, insert_kv=True)
+    plain = K.SparseAttnDecodeMmaSpec(MsaConfig(), 16)  # a graph captures the insert as its own launch
+    assert plain.with_insert().for_graph() == plain.for_graph()
+    for target, family in (("cuda", "mma"), ("gfx942", "mfma")):
+        specs = K.kernel_set(MsaConfig(kv_dtype="fp8_e4m3fn" if target == "cuda" else "fp8_e4m3fnuz"), target=target)
+        inserting = {(s.stride, s.cfg.decode_query_len) for s in specs if getattr(s, "insert_kv", False)}
+        assert inserting == {(st, L) for st in (16, 8) for L in (1, 2, 3, 4)}, target
+        assert all(s.family == family for s in specs if getattr(s, "insert_kv", False))
+
+
 def test_fused_merge_is_refused_where_split_cannot_write_the_output():
     with pytest.raises(ValueError, match="tuning.fused_merge: expected only for the mma/mfma families"):
         K.SparseAttnDecodeFmaSpec(MsaConfig(), 16, AttendTuning(fused_merge=True))
@@ -129,7 +172,9 @@ MFMA = [K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="bf16"), 16),
         K.SparseAttnPrefillMfmaSpec(MsaConfig(kv_dtype="fp16", query_dtype="fp16"), 8),
         K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16),
         K.SparseAttnPrefillMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 8),
-        K.SparseAttnDecodeMfmaSpec(MsaConfig(num_heads=8, kv_dtype="bf16", decode_query_len=4), 8)]
+        K.SparseAttnDecodeMfmaSpec(MsaConfig(num_heads=8, kv_dtype="bf16", decode_query_len=4), 8),
+        K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16).with_insert(),
+        K.SparseAttnDecodeMfmaSpec(MsaConfig(num_heads=8, kv_dtype="bf16", decode_query_len=4), 8).with_insert()]
 
 
 def test_gfx942_mfma_isa(tmp_path):
@@ -137,7 +182,8 @@ def test_gfx942_mfma_isa(tmp_path):
     twin, tests/test_gpu.py): 1 dispatch (fused_merge), both products on the matrix cores (16 QK + 16 PV MFMAs
     a block), no scratch, >= 4 waves per SIMD counting registers and LDS, every K/V load 16 bytes
     (bf16/f16: 8 K + 8 V a block, plus q's one copy into LDS; fp8: 4 K + 4 V, V traded between
-    lane pairs), no 8-byte loads before the fused merge. e4m3fnuz (gfx942's fp8) converts in hardware: 2 v_cvt_pk_f32_fp8
+    lane pairs), no 8-byte loads before the fused merge; the same with the KV insert fused in
+    (with_insert). e4m3fnuz (gfx942's fp8) converts in hardware: 2 v_cvt_pk_f32_fp8
     per K/V word (16 K + 16 V words a block); e4m3fn decodes by integer ops. q's copy into LDS is
     requested with the page-id loads, before the first barrier (SparseAttnDecodeMfmaSpec.q_first:
     after it, its wait put a memory round trip before the first block's K loads)."""

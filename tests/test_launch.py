@@ -22,12 +22,13 @@ MMA = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16)                 
 FMA = K.SparseAttnDecodeFmaSpec(MsaConfig(num_heads=16, num_kv_heads=2), 8)          # 8 heads, 2 KV heads
 INSERT = K.InsertKvGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn", num_kv_heads=2), 16)       # writes the cache (operand 0)
 MMA_FP8 = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16)            # K/V staged by cp.async
+MMA_INS = MMA.with_insert()                                                          # writes the step's K/V too
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     out = tmp_path_factory.mktemp("cuda")
-    C.build(None, ["cuda"], out, specs=[MMA, FMA, INSERT, MMA_FP8], log=lambda m: None)
+    C.build(None, ["cuda"], out, specs=[MMA, FMA, INSERT, MMA_FP8, MMA_INS], log=lambda m: None)
     return out, json.loads((out / "manifest.json").read_text())["kernels"]
 
 
@@ -135,6 +136,33 @@ def test_the_insert_plan_is_one_dispatch_over_the_tokens(build, tokens):
     assert sorted(k for k, _ in bindings) == list(range(7))
 
 
+def _inserting_operands(tokens, key_rows=None, slot_rows=None):
+    """(shapes, dtypes) of the inserting attend's `main`: the attend's, then key, value, slots
+    after v_scale."""
+    shapes, dtypes = _operands(MMA_INS, tokens)
+    new = [(key_rows or tokens, 1, 128), (key_rows or tokens, 1, 128), (slot_rows or tokens,)]
+    return shapes[:9] + new + shapes[9:], dtypes[:9] + ["bfloat16", "bfloat16", "int32"] + dtypes[9:]
+
+
+@pytest.mark.parametrize("tokens", [1, 40, 300])
+def test_the_inserting_attend_is_one_dispatch_over_its_new_kv(build, tokens):
+    """MMA_INS (forward(key=, value=) on a decode step): one dispatch with the attend's grid, whose
+    bindings are every operand (the k/v pages it also writes, the new key, value and slots among
+    them) as the PTX takes them; rows of key, value or slots other than the query's are refused."""
+    out, kernels = build
+    ((name, grid, constants, bindings),) = _plan(build, MMA_INS).evaluate(*_inserting_operands(tokens))
+    entries = ptx_entries(ptx_of((out / kernels[MMA_INS.name]["file"]).read_bytes()).decode())
+    assert (name, grid) == ("split", [MMA.splits(tokens), tokens, 1])
+    assert (len(bindings), len(constants)) == entries[name][1:]
+    assert sorted(k for k, _ in bindings) == list(range(14))
+    assert MMA_INS.written_operands == (-2, -1, 1, 2)
+    plan = _plan(build, MMA_INS)
+    with pytest.raises(ValueError, match="key: expected as many rows as the query"):
+        plan.evaluate(*_inserting_operands(tokens, key_rows=tokens + 1))
+    with pytest.raises(ValueError, match="slots: expected one per query row"):
+        plan.evaluate(*_inserting_operands(tokens, slot_rows=tokens + 1))
+
+
 class _RecordingDriver:
     """A CudaDriver stand-in for the CPU machine: loads nothing, records each cuLaunchKernel with
     the values its argument block points at (pointers u64, then constants u32, as the PTX takes)."""
@@ -161,12 +189,12 @@ class _RecordingDriver:
         return 0
 
 
-def _recorded_mma(build, dependent):
-    """The MMA attend's StreamKernel over a _RecordingDriver: (kernel, driver)."""
+def _recorded_mma(build, dependent, spec=MMA):
+    """The MMA attend's (or `spec`'s) StreamKernel over a _RecordingDriver: (kernel, driver)."""
     out, kernels = build
-    entry = kernels[MMA.name]
+    entry = kernels[spec.name]
     driver = _RecordingDriver()
-    sk = StreamKernel(MMA.name, (out / entry["file"]).read_bytes(), (out / entry["launch_plan"]["file"]).read_text(),
+    sk = StreamKernel(spec.name, (out / entry["file"]).read_bytes(), (out / entry["launch_plan"]["file"]).read_text(),
                       driver, dependent_launch=dependent)
     driver.sk = sk
     return sk, driver
@@ -202,6 +230,29 @@ def test_a_bound_launch_passes_what_an_unbound_one_passes(build, tokens, depende
     passed = {v for d in bound_launches for v in d[5]}
     assert {later[i].data_ptr() for i in (0, 3, 9)} <= passed
     assert not {first[i].data_ptr() for i in (0, 3, 9)} & passed
+
+
+def test_a_bound_inserting_launch_passes_the_calls_new_kv(build):
+    """The inserting attend's binding (SparseAttention's bound decode with key/value): the call's
+    query, top-k, key, value and output addresses go out, the rest as bound, as an unbound launch
+    of the same operands passes them."""
+    sk, driver = _recorded_mma(build, False, MMA_INS)
+    g = torch.Generator().manual_seed(3)
+    new_kv = lambda: [torch.randn(8, 1, 128, generator=g).bfloat16() for _ in range(2)]
+    base = _mma_operands(8, 1)
+    first = base[:9] + new_kv() + [torch.arange(8, dtype=torch.int32)] + base[9:]
+    variable = (0, 3, 9, 10, 12)
+    bound = sk.bind(first, variable=variable)
+    later = list(first)
+    later[0], later[9], later[10], later[12] = _mma_operands(8, 2)[0], *new_kv(), torch.empty_like(first[12])
+    later[3] = torch.zeros_like(first[3])
+    bound(77, *(later[i].data_ptr() for i in variable))
+    sk(later, 77)
+    bound_launches, launches = driver.launched[:1], driver.launched[1:]
+    assert [d[0] for d in launches] == ["split"] and bound_launches == launches
+    passed = set(bound_launches[0][5])
+    assert {later[i].data_ptr() for i in variable} <= passed
+    assert not {first[i].data_ptr() for i in variable} & passed
 
 
 def test_a_dependent_launch_waits_before_its_first_instruction(build):

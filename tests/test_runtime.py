@@ -35,6 +35,21 @@ def test_serving_simulation(host_kernels, kv, qd, layout, hkv, smode):
     assert torch.equal(md.decode.page16_block_table, md.decode.block_table * 2)
 
 
+def test_forward_given_the_steps_kv_inserts_it_first_on_the_host(host_kernels):
+    """forward(key=, value=) where no attend inserts itself (the host): insert_kv then the attend,
+    the cache byte for byte the reference insert's; key without value is refused by name."""
+    s = Server(host_kernels, FN, BF16, "interleaved", 1, "token", seed=105,
+               insert_in_forward=True)
+    assert not s.attn.fuses_insert
+    s.step([], [("a", 127)], 1)
+    md = s.step(["a"], [], 1)
+    q = torch.zeros(1, 16, 128, dtype=BF16)
+    key = torch.zeros(1, 1, 128, dtype=BF16)
+    with pytest.raises(ValueError, match="key, value: expected both"):
+        s.attn.forward(q, s.k_cache, s.v_cache, torch.empty_like(q), torch.zeros(1, 1, 16, dtype=torch.int32), md,
+                       s.k_scale, s.v_scale, key=key)
+
+
 # ---- bad inputs ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

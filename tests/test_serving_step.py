@@ -11,11 +11,11 @@ from msa_iree.layout import unpack_kv_cache
 from tolerances import assert_attend_close
 
 
-@pytest.mark.parametrize("chunk", [0, 200])
-def test_a_step_of_the_layers_attends_as_the_reference(host_kernels, monkeypatch, chunk):
+@pytest.mark.parametrize("chunk, insert", [(0, "forward"), (0, "separate"), (200, "forward")])
+def test_a_step_of_the_layers_attends_as_the_reference(host_kernels, monkeypatch, chunk, insert):
     monkeypatch.setattr(bench, "POOL_BYTES", 1 << 20)
     case = ServingCase(host_kernels, torch.device("cpu"), batch=3, context=300, num_heads=16, kv_name="bf16",
-                       prefill_chunk=chunk, pool_gib=1 / 64, layers=2)
+                       prefill_chunk=chunk, pool_gib=1 / 64, layers=2, insert=insert)
     tokens = 2 + chunk if chunk else 3
     assert case.q.shape[0] == tokens and case.topk.shape == (1, tokens, 16) and case.slots.shape == (tokens,)
     md = case.build()

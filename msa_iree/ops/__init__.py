@@ -81,10 +81,11 @@ def unbuilt_attends(cfg: MsaConfig, target: str) -> dict[str, str]:
             for f in families if f in GPU_ATTEND and not GPU_ATTEND[f][0].supports(cfg)}
 
 
-def _with_graph_variants(specs) -> list:
+def _with_variants(specs) -> list:
     """`specs`, each followed by its graph variant where that is another module (GpuAttendSpec.for_graph:
-    the decode attends a CUDA / HIP graph captures)."""
-    return [v for s in specs for v in dict.fromkeys((s, s.for_graph()))]
+    the decode attends a CUDA / HIP graph captures) and by its inserting variant where it has one
+    (GpuAttendSpec.with_insert: the eager decode attend that also writes the step's new K/V)."""
+    return [v for s in specs for v in dict.fromkeys((s, s.for_graph(), s.with_insert() or s))]
 
 
 def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), target=None) -> list[KernelSpec]:
@@ -97,10 +98,10 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
         for L in decode_query_lens:
             specs += [BuildDecodeTableSpec(cfg.replace(decode_query_len=L), stride),
                       SparseAttnDecodeSpec(cfg.replace(decode_query_len=L), stride)]
-            specs += _with_graph_variants([decode(cfg.replace(decode_query_len=L), stride) for decode, _ in gpu_attends])
+            specs += _with_variants([decode(cfg.replace(decode_query_len=L), stride) for decode, _ in gpu_attends])
         specs += [prefill(cfg, stride) for _, prefill in gpu_attends]
         if stride == 16:  # a given page table is read over an interleaved cache only
-            specs += _with_graph_variants([GPU_PAGED_ATTEND[f](cfg, stride) for f in served_families(cfg, target)])
+            specs += _with_variants([GPU_PAGED_ATTEND[f](cfg, stride) for f in served_families(cfg, target)])
         if target in InsertKvGpuSpec.targets:
             specs.append(InsertKvGpuSpec(cfg, stride))
         specs += [cls(cfg, stride) for cls in (BuildPrefillTableSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec,

@@ -27,6 +27,9 @@ class GpuAttendSpec(TemplateSpec):
     # sequence, which the caller knows and the table does not show): kv_read_once; the module is
     # the same, so the name is too
     read_once: bool = False
+    # a decode attend that writes the step's new K/V into the cache itself before it reads (the
+    # KV insert fused in: a layer's decode step in one launch); with fused_merge only
+    insert_kv: bool = False
 
     template = "sparse_attend.mlir.j2"
     family = ""        # "fma", "mma" or "mfma": the template's parts and the tuning row
@@ -37,9 +40,6 @@ class GpuAttendSpec(TemplateSpec):
     # `main` takes the output tensor and a workspace (workspace_floats) last and writes into them
     # (iree.abi.output): the call allocates nothing (an allocation costs ~100 us of host time a call)
     output_storage = True
-    # main writes only into operands it is given (the output and the workspace, the last two), so
-    # that msa_iree.runtime.cuda_launch can launch it on torch's stream
-    written_operands = (-2, -1)
     FUSED_FAMILIES = ("mma", "mfma")  # whose @split can write the output (fused_merge)
     GROUP_SIZES = (8, 16)  # heads per KV head: softmax groups are subgroup clusters of 256 / G <= 32 lanes
 
@@ -54,6 +54,9 @@ class GpuAttendSpec(TemplateSpec):
         if self.tuning.fused_merge and self.family not in self.FUSED_FAMILIES:
             raise ValueError(f"tuning.fused_merge: expected only for the {'/'.join(self.FUSED_FAMILIES)} families "
                              f"(their @split writes the output itself), got it for {self.family}")
+        if self.insert_kv and (self.prefill or self.paged or not self.tuning.fused_merge):
+            raise ValueError(f"insert_kv: expected only for a decode attend with fused_merge (one launch a layer), "
+                             f"got it for {self.kernel} with fused_merge={self.tuning.fused_merge}")
         if self.read_once and not self.paged:
             raise ValueError(f"read_once: expected only for a page-table attend (its rows' reads are not known "
                              f"from its operands), got it for {self.kernel}")
@@ -114,12 +117,19 @@ class GpuAttendSpec(TemplateSpec):
     def variant(self) -> str:
         # a decode's L is in its name; prefill and page-table rows carry their own positions
         base = super().variant if self.prefill or self.paged else f"{super().variant}.L{self.cfg.decode_query_len}"
-        return f"{base}.{self.tag}"
+        return f"{base}.{self.tag}" + (".ins" if self.insert_kv else "")
+
+    @property
+    def written_operands(self) -> tuple:
+        """The operands `main` writes (the output and the workspace, the last two; with insert_kv the
+        k/v page views, operands 1 and 2), all of them given to it, so that msa_iree.runtime.
+        cuda_launch can launch it on torch's stream."""
+        return (-2, -1, 1, 2) if self.insert_kv else (-2, -1)
 
     def describe(self) -> dict:
         knobs = {k.lower(): list(map(list, v)) if k == "SPLITS" else v for k, v in self.knobs().items()}
         return {**super().describe(), "family": self.family, "prefill": self.prefill, "paged": self.paged,
-                "knobs": knobs}
+                "insert_kv": self.insert_kv, "knobs": knobs}
 
     def render(self) -> str:
         c = self.cfg
@@ -127,7 +137,7 @@ class GpuAttendSpec(TemplateSpec):
                                QT=MLIR_ELEMENT[c.query_dtype], KT=MLIR_ELEMENT[c.kv_dtype],
                                FP8=FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill, PAGED=self.paged,
                                MMA=self.family == "mma", MFMA=self.family == "mfma", EMULATE=self.emulate_mfma,
-                               ARRIVALS=ARRIVAL_COUNTERS, **self.knobs())
+                               INSERT=self.insert_kv, ARRIVALS=ARRIVAL_COUNTERS, **self.knobs())
 
     # ---- what the runtime needs to know ----
 
@@ -149,10 +159,19 @@ class GpuAttendSpec(TemplateSpec):
         without host time, and there the separate @merge is faster at 16 and 8 splits (the row's
         last workgroup merging every head reads its 8-16 partials alone; benchmarks/PERF.md);
         eagerly the one launch fewer is worth more. Itself otherwise (a prefill is not captured:
-        its rows take one split)."""
+        its rows take one split). A graph captures the KV insert as a launch of its own, so an
+        insert_kv attend's graph variant is its attend alone."""
         if self.prefill or not self.tuning.fused_merge:
             return self
-        return dataclasses.replace(self, tuning=dataclasses.replace(self.tuning, fused_merge=False))
+        return dataclasses.replace(self, insert_kv=False, tuning=dataclasses.replace(self.tuning, fused_merge=False))
+
+    def with_insert(self) -> "GpuAttendSpec | None":
+        """This decode attend with the KV insert fused in (insert_kv: `main` also takes the step's
+        new key, value [T, H, 128] and slots [T] after v_scale, and writes them into the k/v page
+        views before it reads them), where it has one (a decode with fused_merge); else None."""
+        if self.prefill or self.paged or not self.tuning.fused_merge:
+            return None
+        return dataclasses.replace(self, insert_kv=True)
 
     @property
     def kv_read_once(self) -> bool:

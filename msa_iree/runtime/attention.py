@@ -2,7 +2,9 @@
 
 Per call it checks what is the layer's own and runs the compiled attend for the step's decode and
 prefill parts: the hand-written GPU attend where the target and head grouping allow it (launched
-on torch's stream on CUDA), else the portable module.
+on torch's stream on CUDA), else the portable module. Given the step's new key and value, `forward`
+also inserts them: for a decode step on the GPU attend with one dispatch, inside the attend's own
+launch (GpuAttendSpec.insert_kv: one launch a layer), else through `insert_kv` first.
 """
 from __future__ import annotations
 
@@ -96,23 +98,29 @@ class SparseAttention:
             if self.gpu_decode else (SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec)
         # a given page table (sparse_block_table): every row of a step in one launch of this
         self.paged_spec = GPU_PAGED_ATTEND[self.gpu_matrix, self.kernels.target] if self.gpu_decode else None
+        # forward(key=, value=) on a decode step: the insert inside the attend's launch where the
+        # decode attend has that variant (one dispatch) and is launched on torch's stream
+        self.fuses_insert = bool(self.gpu_decode and self.kernels.stream_launch
+                                 and self.decode_spec(self.cfg, 16).with_insert() is not None)
 
     # the folded page views the modules read: [pages * H, ...] (id = page * H + head)
     @staticmethod
     def _folded(cache):
         return cache.reshape(-1, *cache.shape[2:]).view(storage_dtype(cache.dtype))
 
-    def _spec(self, cls, stride, decode_query_len=1, read_once=False, graph=False):
+    def _spec(self, cls, stride, decode_query_len=1, read_once=False, graph=False, insert=False):
         """cls's spec for this layer, made once. read_once (the GPU page-table attend only): the
         step's rows each read their own pages (a decode step of one token a sequence: its loads
         then carry the L2 evict-first hint). graph: the call is being captured in a CUDA / HIP
-        graph, which launches the GPU decode attends' graph variant (GpuAttendSpec.for_graph)."""
-        key = (cls, stride, decode_query_len, read_once, graph)
+        graph, which launches the GPU decode attends' graph variant (GpuAttendSpec.for_graph).
+        insert: the GPU decode attend that inserts the step's new K/V itself (with_insert)."""
+        key = (cls, stride, decode_query_len, read_once, graph, insert)
         spec = self._specs.get(key)
         if spec is None:
             fields = {"read_once": True} if read_once else {}
             spec = cls(self.cfg.replace(decode_query_len=decode_query_len), stride, **fields)
-            self._specs[key] = spec = spec.for_graph() if graph else spec
+            spec = spec.for_graph() if graph else spec.with_insert() if insert else spec
+            self._specs[key] = spec
         return spec
 
     def _on(self, device):
@@ -228,8 +236,36 @@ class SparseAttention:
         self._insert_launch = _InsertLaunch.bind(self.kernels, spec, metadata_or_slots,
                                                  (k_cache, v_cache, k_scale, v_scale), operands, capacity)
 
+    def _fused_insert(self, metadata, query, key, value, graph, tables) -> bool:
+        """Whether forward's key/value go into the cache inside the attend's launch: a decode-only
+        step on the GPU attend with that variant, launched eagerly on torch's stream, no page
+        table given, new keys and values in the query's dtype. (Else insert_kv runs first.)"""
+        if (key is None) != (value is None):
+            raise ValueError(f"key, value: expected both (the step's new tokens, inserted before the attend) or "
+                             f"neither, got key={'None' if key is None else 'a tensor'} and value="
+                             f"{'None' if value is None else 'a tensor'}")
+        return (self.fuses_insert and not graph and not tables and metadata.prefill is None
+                and metadata.decode is not None and key.dtype == query.dtype and value.dtype == query.dtype)
+
+    def _check_new_kv(self, key, value, query, num_tokens):
+        """forward's key/value for the attend that inserts them: [>= tokens, H, 128] of the query's
+        dtype, on its device, contiguous (the kernel reads their rows from the first)."""
+        h = self.cfg.num_kv_heads
+        checks.check_shape("key", key, (None, h, 128))
+        checks.check_shape("value", value, tuple(key.shape))
+        checks.check_dtype("key", key, query.dtype)
+        checks.check_dtype("value", value, query.dtype)
+        checks.check_device("key", key, query.device)
+        checks.check_device("value", value, query.device)
+        if key.shape[0] < num_tokens:
+            raise ValueError(f"key: expected at least num_actual_tokens={num_tokens} rows (the step's tokens), "
+                             f"got {key.shape[0]}")
+        for name, t in (("key", key), ("value", value)):
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
     def forward(self, query, k_cache, v_cache, output, topk, metadata: MsaMetadata, k_scale=None, v_scale=None,
-                sparse_block_table=None, sparse_context_lens=None):
+                sparse_block_table=None, sparse_context_lens=None, key=None, value=None):
         """The attend of one layer for one step, written into `output` (returned).
 
         query/output [>= tokens, Hq, 128] bf16/fp16 (rows past the step's tokens are not touched);
@@ -244,6 +280,10 @@ class SparseAttention:
         portable attend. With validate_emitted_tables (the default) the table is checked first
         (checks.check_page_table: ids in the cache, lengths, on a GPU the groups), one host sync a
         call; without, the kernels clamp every id into the cache (memory-safe, not checked).
+        key/value [>= tokens, H, 128] bf16/fp16 (optional): the step's new tokens, written into
+        the cache before the attend reads it, as insert_kv(key, value, k_cache, v_cache, metadata,
+        k_scale, v_scale) writes them; on a decode-only step over the GPU attend (`fuses_insert`),
+        launched eagerly, that write is done by the attend's own launch (one launch a layer).
         """
         if metadata is None:
             return output  # a profiling run: nothing to attend
@@ -252,15 +292,26 @@ class SparseAttention:
                             f"got {type(metadata).__name__}")
         # a call being captured in a CUDA / HIP graph launches the decode attends' graph variants
         graph = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        tables = sparse_block_table is not None or sparse_context_lens is not None
         bound = self._decode_launch
-        if (bound is not None and bound.graph == graph and sparse_block_table is None and sparse_context_lens is None
-                and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale)):
+        if (bound is not None and bound.graph == graph and not tables
+                and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale, key, value)):
             return output  # a bound step of the same shape: only what changes per call was checked
+        if (key is not None or value is not None) and not self._fused_insert(metadata, query, key, value, graph,
+                                                                             tables):
+            self.insert_kv(key, value, k_cache, v_cache, metadata, k_scale, v_scale)
+            key = value = None
+            if (bound is not None and bound.graph == graph and not tables
+                    and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale)):
+                return output
         cfg, h = self.cfg, self.cfg.num_kv_heads
         nd, n = metadata.num_decode_tokens, metadata.num_actual_tokens
         self._check(query, k_cache, output, topk, n)
         layer = self._layer_state(k_cache, v_cache, k_scale, v_scale)
         metadata.check_cache_blocks(layer.num_blocks)  # the step's largest block id, found by the builder
+        if key is not None:  # inserted by the decode attend (_fused_insert)
+            self._check_new_kv(key, value, query, n)
+            metadata.check_cache_slots(layer.num_blocks * BLOCK_SIZE)
         stride = layer.stride
         emitted = checks.check_sparse_table(sparse_block_table, sparse_context_lens, None, cfg.topk)
         if emitted:
@@ -296,10 +347,13 @@ class SparseAttention:
                 args = (q, kp, vp, sparse_block_table[lo * h:hi * h].reshape(hi - lo, h, -1),
                         sparse_context_lens[lo * h:hi * h].reshape(hi - lo, h), *common)
             elif phase is metadata.decode and self.gpu_decode:
-                spec = self._spec(self.decode_spec, stride, phase.decode_query_len, graph=graph)
+                spec = self._spec(self.decode_spec, stride, phase.decode_query_len, graph=graph,
+                                  insert=key is not None)
                 kpv, vpv, scale_v, ksv, vsv = layer.views
                 args = (q, kpv, vpv, _rows(topk, lo, hi, 1), *self._step_views(phase, "block_table", "seq_lens"),
                         scale_v, ksv, vsv)
+                if key is not None:  # the step's new K/V and their slots, written by the attend
+                    args += (_rows(key, lo, hi), _rows(value, lo, hi), _rows(metadata.slot_mapping, lo, hi))
             elif phase is metadata.decode:
                 spec = self._spec(SparseAttnDecodeSpec, stride, phase.decode_query_len)
                 args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.seq_lens, *common)
@@ -317,7 +371,7 @@ class SparseAttention:
                 if phase is metadata.decode and self.gpu_decode and not emitted and metadata.prefill is None:
                     self._decode_launch = _DecodeLaunch.bind(self.kernels, spec, metadata, layer, (k_cache, v_cache,
                                                              k_scale, v_scale), (query, topk, output), args, ws,
-                                                             graph)
+                                                             graph, (key, value))
                 continue
             (o,) = self.kernels.run(spec, *args, out_dtypes=[query.dtype])
             output[lo:hi].copy_(o)
@@ -337,31 +391,42 @@ class _DecodeLaunch(_LayerBinding):
     _LayerBinding the layer's)."""
 
     @classmethod
-    def bind(cls, kernels, spec, metadata, layer, layer_tensors, call_tensors, args, workspace, graph=False):
+    def bind(cls, kernels, spec, metadata, layer, layer_tensors, call_tensors, args, workspace, graph=False,
+             new_kv=(None, None)):
         """None unless the attend is launched on torch's stream from the call tensors' own memory.
         layer_tensors: (k_cache, v_cache, k_scale, v_scale); call_tensors: (query, topk, output);
-        args: the decode module's inputs as forward passed them (query rows at 0, top-k rows at 3);
-        graph: whether it was bound while a graph was captured (it then serves only such calls)."""
+        args: the decode module's inputs as forward passed them (query rows at 0, top-k rows at 3;
+        with new_kv, an inserting attend's, key and value rows at 9 and 10, slots at 11); graph:
+        whether it was bound while a graph was captured (it then serves only such calls)."""
         sk = kernels.stream_kernel(spec) if kernels.stream_launch else None
         query, topk, output = call_tensors
+        key, value = new_kv
+        insert = key is not None
         # the kernel reads rows from the first: their addresses are the whole tensors' if contiguous
-        if sk is None or not all(t.is_contiguous() for t in (*call_tensors, args[0], args[3])):
+        rows_read = (args[0], args[3], *((key, value, *args[9:11]) if insert else ()))
+        if sk is None or not all(t.is_contiguous() for t in (*call_tensors, *rows_read)):
             return None
         d = metadata.decode
-        if args[4].data_ptr() != d.block_table.data_ptr() or args[5].data_ptr() != d.seq_lens.data_ptr():
+        if (args[4].data_ptr() != d.block_table.data_ptr() or args[5].data_ptr() != d.seq_lens.data_ptr()
+                or insert and args[11].data_ptr() != metadata.slot_mapping.data_ptr()):
             return None  # the step's tensors were copied for the launch: a later step would not be seen
         self = cls()
-        self.graph = graph
+        self.graph, self.insert = graph, insert
         self.num_blocks = layer.num_blocks
         self._hold(metadata.step_key, layer_tensors, layer.refresh)
         self.q_shape, self.q_dtype, self.topk_shape = query.shape, query.dtype, topk.shape
+        self.kv_shape = key.shape if insert else None
         self.device_index = query.get_device()
         out_rows = _rows(output, 0, args[0].shape[0])
-        self.launch = sk.bind([*args, out_rows, workspace], variable=(0, 3, len(args)))
+        variable = (0, 3, 9, 10, len(args)) if insert else (0, 3, len(args))
+        self.launch = sk.bind([*args, out_rows, workspace], variable=variable)
         return self
 
-    def __call__(self, metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale) -> bool:
-        """Queue the attend if this call is one the binding serves (True); else False, nothing done."""
+    def __call__(self, metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale, key=None,
+                 value=None) -> bool:
+        """Queue the attend if this call is one the binding serves (True); else False, nothing done.
+        key/value: the step's new K/V, served only by an inserting attend's binding (and it only
+        serves calls that bring them)."""
         if not self._serves(metadata, k_cache, v_cache, k_scale, v_scale) or metadata.max_block_id >= self.num_blocks:
             return False
         q_shape, q_dtype, index = self.q_shape, self.q_dtype, self.device_index
@@ -370,6 +435,20 @@ class _DecodeLaunch(_LayerBinding):
                 and query.get_device() == index and output.get_device() == index and topk.get_device() == index
                 and query.is_contiguous() and output.is_contiguous() and topk.is_contiguous()):
             return False
+        if self.insert:
+            shape = self.kv_shape
+            if not (key is not None and value is not None and key.shape == shape and value.shape == shape
+                    and key.dtype == q_dtype and value.dtype == q_dtype and key.get_device() == index
+                    and value.get_device() == index and key.is_contiguous() and value.is_contiguous()
+                    and metadata.max_slot < self.num_blocks * _BLOCK):
+                return False
+            if self.refresh:
+                self._refresh()
+            self.launch(_current_raw_stream(index), query.data_ptr(), topk.data_ptr(), key.data_ptr(),
+                        value.data_ptr(), output.data_ptr())
+            return True
+        if key is not None or value is not None:
+            return False
         if self.refresh:
             self._refresh()
         self.launch(_current_raw_stream(index), query.data_ptr(), topk.data_ptr(), output.data_ptr())
@@ -377,6 +456,7 @@ class _DecodeLaunch(_LayerBinding):
 
 
 _INT32 = torch.int32
+_BLOCK = BLOCK_SIZE
 
 
 def _rows(t, lo, hi, dim=0):
