@@ -72,7 +72,9 @@ class SparseAttention:
         self.scale = scale
         self.scale_tensor = torch.tensor([scale], dtype=torch.float32)
         self._layer_key = None
-        self._decode_launch = None  # _DecodeLaunch: the last decode-only step's bound attend (stream launch)
+        # _StepLaunch: the bound attends (stream launches) of the last decode-only step, and of the
+        # last step with a prefill part (a chunked prefill's chunks often repeat one step shape)
+        self._decode_launch = self._mixed_launch = None
         self._insert_launch = None  # _InsertLaunch: this layer's bound KV insert (stream launch)
         self._specs = {}  # (kernel class, stride, decode L, read_once) -> spec: built once, not per call
         self._workspace_floats = {}  # (id of a spec of _specs, tokens) -> its workspace_floats
@@ -293,7 +295,7 @@ class SparseAttention:
         # a call being captured in a CUDA / HIP graph launches the decode attends' graph variants
         graph = query.is_cuda and torch.cuda.is_current_stream_capturing()
         tables = sparse_block_table is not None or sparse_context_lens is not None
-        bound = self._decode_launch
+        bound = self._decode_launch if metadata.prefill is None else self._mixed_launch
         if (bound is not None and bound.graph == graph and not tables
                 and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale, key, value)):
             return output  # a bound step of the same shape: only what changes per call was checked
@@ -338,6 +340,7 @@ class SparseAttention:
             return output
         kp, vp = layer.kp, layer.vp
         common = (self.scale_tensor, layer.ks, layer.vs)
+        launched = []  # the GPU attends of the step's phases: (spec, args, output rows, workspace, step tensors)
         for lo, hi, phase in ((0, nd, metadata.decode), (nd, n, metadata.prefill)):
             if hi == lo:
                 continue
@@ -350,7 +353,7 @@ class SparseAttention:
                 spec = self._spec(self.decode_spec, stride, phase.decode_query_len, graph=graph,
                                   insert=key is not None)
                 kpv, vpv, scale_v, ksv, vsv = layer.views
-                args = (q, kpv, vpv, _rows(topk, lo, hi, 1), *self._step_views(phase, "block_table", "seq_lens"),
+                args = (q, kpv, vpv, _rows(topk, lo, hi, 1), *self._step_views(phase, *_DECODE_STEP),
                         scale_v, ksv, vsv)
                 if key is not None:  # the step's new K/V and their slots, written by the attend
                     args += (_rows(key, lo, hi), _rows(value, lo, hi), _rows(metadata.slot_mapping, lo, hi))
@@ -361,65 +364,88 @@ class SparseAttention:
                 spec = self._spec(self.prefill_spec, stride)
                 kpv, vpv, scale_v, ksv, vsv = layer.views
                 args = (q, kpv, vpv, _rows(topk, lo, hi, 1),
-                        *self._step_views(phase, "block_table", "query_req_id", "query_abs_pos"), scale_v, ksv, vsv)
+                        *self._step_views(phase, *_PREFILL_STEP), scale_v, ksv, vsv)
             else:
                 spec = self._spec(SparseAttnPrefillSpec, stride)
                 args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.query_req_id, phase.query_abs_pos, *common)
             if getattr(spec, "output_storage", False):  # (checks.check_out: output is contiguous)
                 ws = self._workspace_for(spec, hi - lo, query.device)
-                self.kernels.run(spec, *args, out=[_rows(output, lo, hi), ws])  # written in place
-                if phase is metadata.decode and self.gpu_decode and not emitted and metadata.prefill is None:
-                    self._decode_launch = _DecodeLaunch.bind(self.kernels, spec, metadata, layer, (k_cache, v_cache,
-                                                             k_scale, v_scale), (query, topk, output), args, ws,
-                                                             graph, (key, value))
+                out_rows = _rows(output, lo, hi)
+                self.kernels.run(spec, *args, out=[out_rows, ws])  # written in place
+                names = _DECODE_STEP if phase is metadata.decode else _PREFILL_STEP
+                step = {4 + i: getattr(phase, name) for i, name in enumerate(names)}
+                if key is not None:
+                    step[11] = metadata.slot_mapping
+                launched.append((spec, args, out_rows, ws, step))
                 continue
             (o,) = self.kernels.run(spec, *args, out_dtypes=[query.dtype])
             output[lo:hi].copy_(o)
+        if self.gpu_decode and not emitted and len(launched) == (nd > 0) + (n > nd):
+            bound = _StepLaunch.bind(self.kernels, metadata, layer, (k_cache, v_cache, k_scale, v_scale),
+                                     (query, topk, output), launched, graph, (key, value))
+            if metadata.prefill is None:
+                self._decode_launch = bound
+            else:
+                self._mixed_launch = bound
         return output
 
     __call__ = forward
 
 
-class _DecodeLaunch(_LayerBinding):
-    """A layer's decode-only step bound to its stream launch (FlashInfer's plan/run split): made by
-    a forward that ran every check, it serves the later calls whose step has the same key (the
-    builder's step tensors at the same addresses in the same shapes: this step's other layers, and
-    every later step of the same size) over the same caches and scales, checking only what may
-    change per call (the step's largest block id against the cache; the query, output and top-k
-    tensors: the shapes, dtypes and device bound, contiguous) before it launches; any other call
-    takes the checked path (and binds anew). It keeps the bound step's tensors alive (as every
+class _StepLaunch(_LayerBinding):
+    """A layer's step bound to its stream launches (FlashInfer's plan/run split): made by a forward
+    that ran every check and launched the GPU attend of each phase of the step (decode, prefill)
+    in place, it serves the later calls whose step has the same key (the builder's step tensors
+    at the same addresses in the same shapes: this step's other layers, and every later step of
+    the same shape) over the same caches and scales, checking only what may change per call (the
+    step's largest block id against the cache; the query, output and top-k tensors, and an
+    inserting attend's key and value: the shapes, dtypes and device bound, contiguous) before it
+    launches each phase at its rows' fixed byte offsets into them; any other call takes the
+    checked path (and binds anew). It keeps the bound step's tensors alive (as every
     _LayerBinding the layer's)."""
 
     @classmethod
-    def bind(cls, kernels, spec, metadata, layer, layer_tensors, call_tensors, args, workspace, graph=False,
-             new_kv=(None, None)):
-        """None unless the attend is launched on torch's stream from the call tensors' own memory.
+    def bind(cls, kernels, metadata, layer, layer_tensors, call_tensors, phases, graph=False, new_kv=(None, None)):
+        """None unless every phase is launched on torch's stream from the call tensors' own memory.
         layer_tensors: (k_cache, v_cache, k_scale, v_scale); call_tensors: (query, topk, output);
-        args: the decode module's inputs as forward passed them (query rows at 0, top-k rows at 3;
-        with new_kv, an inserting attend's, key and value rows at 9 and 10, slots at 11); graph:
-        whether it was bound while a graph was captured (it then serves only such calls)."""
-        sk = kernels.stream_kernel(spec) if kernels.stream_launch else None
+        phases: [(spec, args, output rows, workspace, step tensors)], each phase's module inputs as
+        forward passed them (query rows at 0, top-k rows at 3; with new_kv, an inserting decode
+        attend's key and value rows at 9 and 10) and {argument index: the metadata's tensor} that
+        those arguments must be (else they were copied for the launch: a later step would not be
+        seen); graph: whether it was bound while a graph was captured (it then serves only
+        such calls)."""
         query, topk, output = call_tensors
         key, value = new_kv
         insert = key is not None
-        # the kernel reads rows from the first: their addresses are the whole tensors' if contiguous
-        rows_read = (args[0], args[3], *((key, value, *args[9:11]) if insert else ()))
-        if sk is None or not all(t.is_contiguous() for t in (*call_tensors, *rows_read)):
+        if not kernels.stream_launch or not all(t.is_contiguous() for t in call_tensors):
             return None
-        d = metadata.decode
-        if (args[4].data_ptr() != d.block_table.data_ptr() or args[5].data_ptr() != d.seq_lens.data_ptr()
-                or insert and args[11].data_ptr() != metadata.slot_mapping.data_ptr()):
-            return None  # the step's tensors were copied for the launch: a later step would not be seen
+        if insert and not (key.is_contiguous() and value.is_contiguous()):
+            return None
+        launches = []
+        for spec, args, out_rows, workspace, step_tensors in phases:
+            sk = kernels.stream_kernel(spec)
+            # the kernel reads a phase's rows from its first: at a fixed offset into the whole tensor
+            if sk is None or not all(t.is_contiguous() for t in (args[0], args[3], out_rows)):
+                return None
+            if any(args[i].data_ptr() != t.data_ptr() for i, t in step_tensors.items()):
+                return None
+            offsets = [args[0].data_ptr() - query.data_ptr(), args[3].data_ptr() - topk.data_ptr()]
+            variable = [0, 3]
+            if insert:
+                offsets += [args[9].data_ptr() - key.data_ptr(), args[10].data_ptr() - value.data_ptr()]
+                variable += [9, 10]
+            offsets.append(out_rows.data_ptr() - output.data_ptr())
+            variable.append(len(args))
+            launches.append((sk.bind([*args, out_rows, workspace], variable=tuple(variable)), tuple(offsets)))
         self = cls()
-        self.graph, self.insert = graph, insert
+        self.graph, self.insert, self.launches = graph, insert, launches
+        # one phase at the tensors' first rows (a decode-only step): launched without the offsets
+        self.whole = launches[0][0] if len(launches) == 1 and not any(launches[0][1]) else None
         self.num_blocks = layer.num_blocks
         self._hold(metadata.step_key, layer_tensors, layer.refresh)
         self.q_shape, self.q_dtype, self.topk_shape = query.shape, query.dtype, topk.shape
         self.kv_shape = key.shape if insert else None
         self.device_index = query.get_device()
-        out_rows = _rows(output, 0, args[0].shape[0])
-        variable = (0, 3, 9, 10, len(args)) if insert else (0, 3, len(args))
-        self.launch = sk.bind([*args, out_rows, workspace], variable=variable)
         return self
 
     def __call__(self, metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale, key=None,
@@ -442,20 +468,25 @@ class _DecodeLaunch(_LayerBinding):
                     and value.get_device() == index and key.is_contiguous() and value.is_contiguous()
                     and metadata.max_slot < self.num_blocks * _BLOCK):
                 return False
-            if self.refresh:
-                self._refresh()
-            self.launch(_current_raw_stream(index), query.data_ptr(), topk.data_ptr(), key.data_ptr(),
-                        value.data_ptr(), output.data_ptr())
-            return True
-        if key is not None or value is not None:
+            addresses = (query.data_ptr(), topk.data_ptr(), key.data_ptr(), value.data_ptr(), output.data_ptr())
+        elif key is not None or value is not None:
             return False
+        else:
+            addresses = (query.data_ptr(), topk.data_ptr(), output.data_ptr())
         if self.refresh:
             self._refresh()
-        self.launch(_current_raw_stream(index), query.data_ptr(), topk.data_ptr(), output.data_ptr())
+        stream = _current_raw_stream(index)
+        if self.whole is not None:
+            self.whole(stream, *addresses)
+            return True
+        for launch, offsets in self.launches:
+            launch(stream, *[a + o for a, o in zip(addresses, offsets)])
         return True
 
 
 _INT32 = torch.int32
+_DECODE_STEP = ("block_table", "seq_lens")  # a phase's step tensors the GPU attend reads, in its operand order
+_PREFILL_STEP = ("block_table", "query_req_id", "query_abs_pos")
 _BLOCK = BLOCK_SIZE
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 class _LayerBinding:
-    """What a layer's bound launches share (_DecodeLaunch, _InsertLaunch): the step shape and
+    """What a layer's bound launches share (_StepLaunch, _InsertLaunch): the step shape and
     the layer tensors a binding was made for, served only while a step of that key and the same
     tensor objects at the same addresses come back (the binding keeps them alive until the next
     one), and the contiguous copies of strided operands refreshed before a launch."""
