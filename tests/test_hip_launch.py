@@ -17,12 +17,13 @@ from msa_iree.runtime.launch_plan import DispatchPlan
 
 MFMA = K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16)
 INSERT = K.InsertKvGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16)
+MFMA_INS = MFMA.with_insert()  # the decode attend that writes the step's K/V too
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     out = tmp_path_factory.mktemp("gfx942")
-    C.build(None, ["gfx942"], out, specs=[MFMA, INSERT], log=lambda m: None)
+    C.build(None, ["gfx942"], out, specs=[MFMA, INSERT, MFMA_INS], log=lambda m: None)
     return out, json.loads((out / "manifest.json").read_text())["kernels"]
 
 
@@ -78,6 +79,22 @@ def test_the_plan_passes_each_kernel_the_arguments_it_declares(build, tokens):
     assert dispatches[0][1] == [MFMA.splits(tokens), tokens, 1]
     for name, grid, constants, bindings in dispatches:
         check_kernarg_layout(kernels[name], len(bindings), len(constants))
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_the_inserting_attends_plan_passes_what_its_kernel_declares(build, tokens):
+    """MFMA_INS (key, value and slots after v_scale): one dispatch whose 14 bindings and constants
+    are the pointer and 4-byte arguments its code object declares, in its metadata's order."""
+    vmfb, plan = _module(build, MFMA_INS)
+    kernels = kernels_of(hsaco_of(vmfb))
+    assert set(kernels) == {"split"}
+    shapes, dtypes = _operands(MFMA_INS, tokens)
+    shapes = shapes[:9] + [(tokens, 1, 128), (tokens, 1, 128), (tokens,)] + shapes[9:]
+    dtypes = dtypes[:9] + ["bfloat16", "bfloat16", "int32"] + dtypes[9:]
+    ((name, grid, constants, bindings),) = DispatchPlan(plan).evaluate(shapes, dtypes)
+    assert grid == [MFMA.splits(tokens), tokens, 1] and sorted(k for k, _ in bindings) == list(range(14))
+    check_kernarg_layout(kernels[name], len(bindings), len(constants))
+    assert kernels["split"].kernarg_size == 8 * 14 + 4 * sum(k == "by_value" for _, _, k in kernels["split"].args)
 
 
 def test_a_code_object_declaring_other_arguments_is_refused():
