@@ -515,9 +515,10 @@ def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_le
         if prefill:  # (every head count: the serving step's mixed batches)
             specs += [cls(MsaConfig(num_heads=hq, kv_dtype=kv), 16) for hq in heads
                       for cls in (SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec)]
-    # and the decode attends' graph variants (what the graph-captured rows launch) and inserting
-    # variants (the serving step's eager decode layers: forward(key=, value=))
-    return list({v.name: v for s in specs for v in (s, s.for_graph(), s.with_insert() or s)}.values())
+    # and the decode attends' inserting variants (the serving step's decode layers: forward(key=,
+    # value=)) and every decode attend's graph variant (what the graph-captured rows launch)
+    specs += [i for i in (s.with_insert() for s in specs) if i is not None]
+    return list({v.name: v for s in specs for v in (s, s.for_graph())}.values())
 
 
 def dtype_rows(lib, device, kv_name, heads, query_lens, contexts, batches, iters, matrix="auto", prefill=False,

@@ -853,11 +853,13 @@ def test_a_decode_step_with_its_inserts_is_captured(cuda_kernels, kv):
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
-def test_a_captured_decode_step_replays_the_next_steps_fresh_metadata(cuda_kernels, kv):
+@pytest.mark.parametrize("in_forward", [False, True], ids=["insert_kv", "forward-inserts"])
+def test_a_captured_decode_step_replays_the_next_steps_fresh_metadata(cuda_kernels, kv, in_forward):
     """Serving as vLLM runs it: every step builds new metadata; the builder writes it into its
-    buffers at stable addresses, so a decode step captured once (insert + attend) and replayed
-    after the next step's build attends with that step's sequence lengths, slots and block table.
-    Also eagerly: the layer's bound launch serves the new metadata object (no rebinding)."""
+    buffers at stable addresses, so a decode step captured once (insert + attend, or the attend
+    inserting itself: forward(key=, value=), its graph variant) and replayed after the next
+    step's build attends with that step's sequence lengths, slots and block table. Also eagerly:
+    the layer's bound launch serves the new metadata object (no rebinding)."""
     from benchmarks.bench import _decode_setup
     from msa_iree.layout import allocate_kv_cache
     from msa_iree.runtime import MetadataBuilder
@@ -882,12 +884,15 @@ def test_a_captured_decode_step_replays_the_next_steps_fresh_metadata(cuda_kerne
     md = build(seq)
 
     def step(md):
+        if in_forward:
+            attn.forward(q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale, key=key, value=value)
+            return
         attn.insert_kv(key, value, c.k_cache, c.v_cache, md, c.k_scale, c.v_scale)
         attn.forward(q, c.k_cache, c.v_cache, out, c.topk, md, c.k_scale, c.v_scale)
 
     step(md)
     bound = attn._decode_launch
-    assert bound is not None
+    assert bound is not None and bound.insert == in_forward
     md2 = build(seq)  # a new object over the same buffers: the bound launch serves it
     step(md2)
     assert attn._decode_launch is bound
@@ -895,6 +900,10 @@ def test_a_captured_decode_step_replays_the_next_steps_fresh_metadata(cuda_kerne
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(md2)
+    captured = attn._decode_launch  # bound by the capture: the graph variant (two dispatches), inserting or not
+    assert captured.graph and captured.insert == in_forward
+    spec = attn._specs[attn.decode_spec, 16, 1, False, True, in_forward]
+    assert not spec.tuning.fused_merge and spec.insert_kv == in_forward
     raw = lambda k: k.reshape(-1).view(torch.uint8)
     for later in range(2):
         seq = seq + 1  # one more token each (the own block's tail moves; the top-k stays valid)

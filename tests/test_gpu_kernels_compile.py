@@ -71,8 +71,9 @@ def test_the_inserting_decode_attend_writes_the_new_kv_before_its_first_page_rea
     """with_insert (forward(key=, value=) on a decode step): the one-dispatch decode attend that
     also takes key, value and slots after v_scale and writes the k/v page views in place (their
     results' storage), every store before the barrier ahead of the block loop; on gfx942 a
-    workgroup fence on each side of it (its barrier orders LDS only). Only decode attends with
-    fused_merge have one; a deployment's kernel set holds it for each decode L and layout."""
+    workgroup fence on each side of it (its barrier orders LDS only). Only the matrix families'
+    decode attends have one, their graph variants too (two dispatches, still inserting); a
+    deployment's kernel set holds both for each decode L and layout."""
     for spec in (K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn", decode_query_len=4), 8),
                  K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16)):
         ins = spec.with_insert()
@@ -95,18 +96,22 @@ def test_the_inserting_decode_attend_writes_the_new_kv_before_its_first_page_rea
         assert fences == (["release", "acquire"] if spec.family == "mfma" else [])
         assert spec.render() == dataclasses.replace(ins, insert_kv=False).render()
     for spec in (K.SparseAttnDecodeFmaSpec(MsaConfig(), 16), K.SparseAttnPrefillMmaSpec(MsaConfig(), 16),
-                 K.SparseAttnPagedMmaSpec(MsaConfig(), 16), K.SparseAttnDecodeMmaSpec(MsaConfig(), 16).for_graph()):
+                 K.SparseAttnPagedMmaSpec(MsaConfig(), 16)):
         assert spec.with_insert() is None, spec.name
-    with pytest.raises(ValueError, match="insert_kv: expected only for a decode attend with fused_merge"):
+    with pytest.raises(ValueError, match="insert_kv: expected only for a decode attend of the mma/mfma families"):
         K.SparseAttnDecodeFmaSpec(MsaConfig(), 16, insert_kv=True)
-    with pytest.raises(ValueError, match="insert_kv: expected only for a decode attend with fused_merge"):
+    with pytest.raises(ValueError, match="insert_kv: expected only for a decode attend of the mma/mfma families"):
         K.SparseAttnPrefillMmaSpec(MsaConfig(), 16, insert_kv=True)
-    plain = K.SparseAttnDecodeMmaSpec(MsaConfig(), 16)  # a graph captures the insert as its own launch
-    assert plain.with_insert().for_graph() == plain.for_graph()
+    plain = K.SparseAttnDecodeMmaSpec(MsaConfig(), 16)
+    graph = plain.with_insert().for_graph()  # the graph variant inserts too, in two dispatches
+    assert graph == plain.for_graph().with_insert() and graph.name == plain.for_graph().name + ".ins"
+    attend = graph.render()[graph.render().index("func.func private @attend"):]
+    assert re.findall(r"flow\.dispatch @\w+::@(\w+)", attend) == ["split", "merge"]
     for target, family in (("cuda", "mma"), ("gfx942", "mfma")):
         specs = K.kernel_set(MsaConfig(kv_dtype="fp8_e4m3fn" if target == "cuda" else "fp8_e4m3fnuz"), target=target)
-        inserting = {(s.stride, s.cfg.decode_query_len) for s in specs if getattr(s, "insert_kv", False)}
-        assert inserting == {(st, L) for st in (16, 8) for L in (1, 2, 3, 4)}, target
+        inserting = [(s.stride, s.cfg.decode_query_len, s.tuning.fused_merge) for s in specs
+                     if getattr(s, "insert_kv", False)]
+        assert sorted(inserting) == sorted((st, L, fm) for st in (16, 8) for L in (1, 2, 3, 4) for fm in (False, True))
         assert all(s.family == family for s in specs if getattr(s, "insert_kv", False))
 
 

@@ -84,8 +84,11 @@ def unbuilt_attends(cfg: MsaConfig, target: str) -> dict[str, str]:
 def _with_variants(specs) -> list:
     """`specs`, each followed by its graph variant where that is another module (GpuAttendSpec.for_graph:
     the decode attends a CUDA / HIP graph captures) and by its inserting variant where it has one
-    (GpuAttendSpec.with_insert: the eager decode attend that also writes the step's new K/V)."""
-    return [v for s in specs for v in dict.fromkeys((s, s.for_graph(), s.with_insert() or s))]
+    (GpuAttendSpec.with_insert: the decode attend that also writes the step's new K/V, and its
+    graph variant)."""
+    inserting = [i for i in (s.with_insert() for s in specs) if i is not None]
+    return [v for s in specs for v in dict.fromkeys((s, s.for_graph()))] + [
+        v for s in inserting for v in dict.fromkeys((s, s.for_graph()))]
 
 
 def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), target=None) -> list[KernelSpec]:

@@ -28,7 +28,7 @@ class GpuAttendSpec(TemplateSpec):
     # the same, so the name is too
     read_once: bool = False
     # a decode attend that writes the step's new K/V into the cache itself before it reads (the
-    # KV insert fused in: a layer's decode step in one launch); with fused_merge only
+    # KV insert fused in: a layer's decode step in one launch); the matrix families' only
     insert_kv: bool = False
 
     template = "sparse_attend.mlir.j2"
@@ -54,9 +54,9 @@ class GpuAttendSpec(TemplateSpec):
         if self.tuning.fused_merge and self.family not in self.FUSED_FAMILIES:
             raise ValueError(f"tuning.fused_merge: expected only for the {'/'.join(self.FUSED_FAMILIES)} families "
                              f"(their @split writes the output itself), got it for {self.family}")
-        if self.insert_kv and (self.prefill or self.paged or not self.tuning.fused_merge):
-            raise ValueError(f"insert_kv: expected only for a decode attend with fused_merge (one launch a layer), "
-                             f"got it for {self.kernel} with fused_merge={self.tuning.fused_merge}")
+        if self.insert_kv and (self.prefill or self.paged or self.family not in self.FUSED_FAMILIES):
+            raise ValueError(f"insert_kv: expected only for a decode attend of the {'/'.join(self.FUSED_FAMILIES)} "
+                             f"families, got it for {self.kernel}")
         if self.read_once and not self.paged:
             raise ValueError(f"read_once: expected only for a page-table attend (its rows' reads are not known "
                              f"from its operands), got it for {self.kernel}")
@@ -159,17 +159,18 @@ class GpuAttendSpec(TemplateSpec):
         without host time, and there the separate @merge is faster at 16 and 8 splits (the row's
         last workgroup merging every head reads its 8-16 partials alone; benchmarks/PERF.md);
         eagerly the one launch fewer is worth more. Itself otherwise (a prefill is not captured:
-        its rows take one split). A graph captures the KV insert as a launch of its own, so an
-        insert_kv attend's graph variant is its attend alone."""
+        its rows take one split). An insert_kv attend's graph variant inserts too (a kernel fewer
+        a layer in the graph)."""
         if self.prefill or not self.tuning.fused_merge:
             return self
-        return dataclasses.replace(self, insert_kv=False, tuning=dataclasses.replace(self.tuning, fused_merge=False))
+        return dataclasses.replace(self, tuning=dataclasses.replace(self.tuning, fused_merge=False))
 
     def with_insert(self) -> "GpuAttendSpec | None":
         """This decode attend with the KV insert fused in (insert_kv: `main` also takes the step's
         new key, value [T, H, 128] and slots [T] after v_scale, and writes them into the k/v page
-        views before it reads them), where it has one (a decode with fused_merge); else None."""
-        if self.prefill or self.paged or not self.tuning.fused_merge:
+        views before it reads them), where it has one (a decode attend of the matrix families,
+        one dispatch or, its graph variant, two); else None."""
+        if self.prefill or self.paged or self.family not in self.FUSED_FAMILIES:
             return None
         return dataclasses.replace(self, insert_kv=True)
 

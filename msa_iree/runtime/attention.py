@@ -3,8 +3,8 @@
 Per call it checks what is the layer's own and runs the compiled attend for the step's decode and
 prefill parts: the hand-written GPU attend where the target and head grouping allow it (launched
 on torch's stream on CUDA), else the portable module. Given the step's new key and value, `forward`
-also inserts them: for a decode step on the GPU attend with one dispatch, inside the attend's own
-launch (GpuAttendSpec.insert_kv: one launch a layer), else through `insert_kv` first.
+also inserts them: for a decode step on the GPU attend, inside the attend's own launch
+(GpuAttendSpec.insert_kv: one launch a layer), else through `insert_kv` first.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class SparseAttention:
         # a given page table (sparse_block_table): every row of a step in one launch of this
         self.paged_spec = GPU_PAGED_ATTEND[self.gpu_matrix, self.kernels.target] if self.gpu_decode else None
         # forward(key=, value=) on a decode step: the insert inside the attend's launch where the
-        # decode attend has that variant (one dispatch) and is launched on torch's stream
+        # decode attend has that variant and is launched on torch's stream
         self.fuses_insert = bool(self.gpu_decode and self.kernels.stream_launch
                                  and self.decode_spec(self.cfg, 16).with_insert() is not None)
 
@@ -121,8 +121,8 @@ class SparseAttention:
         if spec is None:
             fields = {"read_once": True} if read_once else {}
             spec = cls(self.cfg.replace(decode_query_len=decode_query_len), stride, **fields)
-            spec = spec.for_graph() if graph else spec.with_insert() if insert else spec
-            self._specs[key] = spec
+            spec = spec.with_insert() if insert else spec
+            self._specs[key] = spec = spec.for_graph() if graph else spec
         return spec
 
     def _on(self, device):
@@ -238,15 +238,16 @@ class SparseAttention:
         self._insert_launch = _InsertLaunch.bind(self.kernels, spec, metadata_or_slots,
                                                  (k_cache, v_cache, k_scale, v_scale), operands, capacity)
 
-    def _fused_insert(self, metadata, query, key, value, graph, tables) -> bool:
+    def _fused_insert(self, metadata, query, key, value, tables) -> bool:
         """Whether forward's key/value go into the cache inside the attend's launch: a decode-only
-        step on the GPU attend with that variant, launched eagerly on torch's stream, no page
-        table given, new keys and values in the query's dtype. (Else insert_kv runs first.)"""
+        step on the GPU attend with that variant, launched on torch's stream (eagerly or in a
+        captured graph), no page table given, new keys and values in the query's dtype. (Else
+        insert_kv runs first.)"""
         if (key is None) != (value is None):
             raise ValueError(f"key, value: expected both (the step's new tokens, inserted before the attend) or "
                              f"neither, got key={'None' if key is None else 'a tensor'} and value="
                              f"{'None' if value is None else 'a tensor'}")
-        return (self.fuses_insert and not graph and not tables and metadata.prefill is None
+        return (self.fuses_insert and not tables and metadata.prefill is None
                 and metadata.decode is not None and key.dtype == query.dtype and value.dtype == query.dtype)
 
     def _check_new_kv(self, key, value, query, num_tokens):
@@ -284,8 +285,9 @@ class SparseAttention:
         call; without, the kernels clamp every id into the cache (memory-safe, not checked).
         key/value [>= tokens, H, 128] bf16/fp16 (optional): the step's new tokens, written into
         the cache before the attend reads it, as insert_kv(key, value, k_cache, v_cache, metadata,
-        k_scale, v_scale) writes them; on a decode-only step over the GPU attend (`fuses_insert`),
-        launched eagerly, that write is done by the attend's own launch (one launch a layer).
+        k_scale, v_scale) writes them; on a decode-only step over the GPU attend (`fuses_insert`)
+        that write is done by the attend's own launch (one launch a layer; a kernel fewer in a
+        captured graph).
         """
         if metadata is None:
             return output  # a profiling run: nothing to attend
@@ -299,8 +301,7 @@ class SparseAttention:
         if (bound is not None and bound.graph == graph and not tables
                 and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale, key, value)):
             return output  # a bound step of the same shape: only what changes per call was checked
-        if (key is not None or value is not None) and not self._fused_insert(metadata, query, key, value, graph,
-                                                                             tables):
+        if (key is not None or value is not None) and not self._fused_insert(metadata, query, key, value, tables):
             self.insert_kv(key, value, k_cache, v_cache, metadata, k_scale, v_scale)
             key = value = None
             if (bound is not None and bound.graph == graph and not tables
