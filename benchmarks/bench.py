@@ -502,7 +502,8 @@ def bench_prefill(lib, device, kv_name, iters, q_len=4096, context=32768, num_he
 
 def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_lens=(1, 4), prefill=True):
     """The compiled kernels a bench run calls (stride 16: the interleaved cache the cases use)."""
-    from msa_iree.ops import SparseAttnPagedFmaSpec, SparseAttnPagedMmaSpec, SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec
+    from msa_iree.ops import (SparseAttnPagedFmaSpec, SparseAttnPagedMmaSpec, SparseAttnPrefillFmaSpec,
+                              SparseAttnPrefillMmaSpec, with_variants)
 
     specs = []
     for kv in kv_dtypes:
@@ -515,10 +516,9 @@ def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_le
         if prefill:  # (every head count: the serving step's mixed batches)
             specs += [cls(MsaConfig(num_heads=hq, kv_dtype=kv), 16) for hq in heads
                       for cls in (SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec)]
-    # and the decode attends' inserting variants (the serving step's decode layers: forward(key=,
-    # value=)) and every decode attend's graph variant (what the graph-captured rows launch)
-    specs += [i for i in (s.with_insert() for s in specs) if i is not None]
-    return list({v.name: v for s in specs for v in (s, s.for_graph())}.values())
+    # and the graph variants (what the graph-captured rows launch) and the decode attends'
+    # inserting variants (the serving step's decode layers: forward(key=, value=))
+    return list({s.name: s for s in with_variants(specs)}.values())
 
 
 def dtype_rows(lib, device, kv_name, heads, query_lens, contexts, batches, iters, matrix="auto", prefill=False,

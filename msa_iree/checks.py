@@ -44,6 +44,14 @@ def check_query(q, num_heads):
     check_shape("q", q, (None, num_heads, HEAD_DIM))
 
 
+def check_new_kv(key, value, num_kv_heads, dtypes):
+    """A step's new keys / values: key [N, H, 128] of one of `dtypes`, value as key."""
+    check_shape("key", key, (None, num_kv_heads, HEAD_DIM))
+    check_shape("value", value, tuple(key.shape))
+    check_dtype("key", key, dtypes)
+    check_dtype("value", value, key.dtype)
+
+
 def check_out(out, q):
     check_shape("out", out, tuple(q.shape))
     check_dtype("out", out, q.dtype)

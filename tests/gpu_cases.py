@@ -44,7 +44,7 @@ def gpu_test_specs():
     from msa_iree.ops import (InsertKvGpuSpec, RebaseBlockTableSpec, SparseAttnDecodeFmaSpec,
                           SparseAttnDecodeMfmaEmulatedSpec as Mfma, SparseAttnDecodeMmaSpec,
                           SparseAttnPrefillFmaSpec,
-                          SparseAttnPrefillMfmaEmulatedSpec as MfmaPrefill, SparseAttnPrefillMmaSpec)
+                          SparseAttnPrefillMfmaEmulatedSpec as MfmaPrefill, SparseAttnPrefillMmaSpec, with_variants)
 
     specs = [RebaseBlockTableSpec(MsaConfig())]  # (test_gpu's rebase on the device)
     for hq, h, kv, qd, L, stride, _ in GPU_DECODE_CASES:
@@ -61,7 +61,7 @@ def gpu_test_specs():
         decodes = [cls(cfg.replace(decode_query_len=L), stride) for L in (1, 4)
                    for cls in (SparseAttnDecodeFmaSpec, SparseAttnDecodeMmaSpec, Mfma)]
         # ... and the decode attends that insert the step's K/V themselves (forward(key=, value=))
-        specs += [MfmaPrefill(cfg, stride)] + decodes + [d.with_insert() for d in decodes if d.with_insert()]
+        specs += [MfmaPrefill(cfg, stride)] + with_variants(decodes)
     for kv, qd, layout, h in GPU_INSERT_CASES:
         cfg = MsaConfig(num_heads=8 * h, num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
         specs.append(InsertKvGpuSpec(cfg, LAYOUT_STRIDES[layout]))

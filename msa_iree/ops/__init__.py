@@ -81,7 +81,7 @@ def unbuilt_attends(cfg: MsaConfig, target: str) -> dict[str, str]:
             for f in families if f in GPU_ATTEND and not GPU_ATTEND[f][0].supports(cfg)}
 
 
-def _with_variants(specs) -> list:
+def with_variants(specs) -> list:
     """`specs`, each followed by its graph variant where that is another module (GpuAttendSpec.for_graph:
     the decode attends a CUDA / HIP graph captures) and by its inserting variant where it has one
     (GpuAttendSpec.with_insert: the decode attend that also writes the step's new K/V, and its
@@ -101,10 +101,10 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
         for L in decode_query_lens:
             specs += [BuildDecodeTableSpec(cfg.replace(decode_query_len=L), stride),
                       SparseAttnDecodeSpec(cfg.replace(decode_query_len=L), stride)]
-            specs += _with_variants([decode(cfg.replace(decode_query_len=L), stride) for decode, _ in gpu_attends])
+            specs += with_variants([decode(cfg.replace(decode_query_len=L), stride) for decode, _ in gpu_attends])
         specs += [prefill(cfg, stride) for _, prefill in gpu_attends]
         if stride == 16:  # a given page table is read over an interleaved cache only
-            specs += _with_variants([GPU_PAGED_ATTEND[f](cfg, stride) for f in served_families(cfg, target)])
+            specs += with_variants([GPU_PAGED_ATTEND[f](cfg, stride) for f in served_families(cfg, target)])
         if target in InsertKvGpuSpec.targets:
             specs.append(InsertKvGpuSpec(cfg, stride))
         specs += [cls(cfg, stride) for cls in (BuildPrefillTableSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec,
@@ -146,5 +146,5 @@ def indexer_set(cfg: MsaConfig, target=None, init_blocks: int = 0, local_blocks:
                           BuildPrefillTableSpec(cfg, 2 * PAGES_PER_BLOCK), gpu)
 
 
-__all__ = ["ALL_KERNELS", "IndexerKernels", "indexer_set", "GPU_ATTEND", "GPU_PAGED_ATTEND", "GPU_SPECS", "NATIVE_MATRIX", "PORTABLE_SPECS", "GpuAttendSpec", "KernelSpec",
+__all__ = ["ALL_KERNELS", "IndexerKernels", "indexer_set", "with_variants", "GPU_ATTEND", "GPU_PAGED_ATTEND", "GPU_SPECS", "NATIVE_MATRIX", "PORTABLE_SPECS", "GpuAttendSpec", "KernelSpec",
            "TemplateSpec", "kernel_set", "served_attends", "served_families", "unbuilt_attends", *[c.__name__ for c in ALL_KERNELS.values()]]

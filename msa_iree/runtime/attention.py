@@ -76,7 +76,7 @@ class SparseAttention:
         # last step with a prefill part (a chunked prefill's chunks often repeat one step shape)
         self._decode_launch = self._mixed_launch = None
         self._insert_launch = None  # _InsertLaunch: this layer's bound KV insert (stream launch)
-        self._specs = {}  # (kernel class, stride, decode L, read_once) -> spec: built once, not per call
+        self._specs = {}  # (kernel class, stride, decode L, read_once, graph, insert) -> spec: built once
         self._workspace_floats = {}  # (id of a spec of _specs, tokens) -> its workspace_floats
         self.validate_emitted_tables = validate_emitted_tables
         # the GPU attend's scratch: the caller's f32 tensor (workspace_size bytes), else the library's
@@ -253,11 +253,7 @@ class SparseAttention:
     def _check_new_kv(self, key, value, query, num_tokens):
         """forward's key/value for the attend that inserts them: [>= tokens, H, 128] of the query's
         dtype, on its device, contiguous (the kernel reads their rows from the first)."""
-        h = self.cfg.num_kv_heads
-        checks.check_shape("key", key, (None, h, 128))
-        checks.check_shape("value", value, tuple(key.shape))
-        checks.check_dtype("key", key, query.dtype)
-        checks.check_dtype("value", value, query.dtype)
+        checks.check_new_kv(key, value, self.cfg.num_kv_heads, query.dtype)
         checks.check_device("key", key, query.device)
         checks.check_device("value", value, query.device)
         if key.shape[0] < num_tokens:
@@ -298,14 +294,13 @@ class SparseAttention:
         graph = query.is_cuda and torch.cuda.is_current_stream_capturing()
         tables = sparse_block_table is not None or sparse_context_lens is not None
         bound = self._decode_launch if metadata.prefill is None else self._mixed_launch
-        if (bound is not None and bound.graph == graph and not tables
-                and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale, key, value)):
+        bound = bound if bound is not None and bound.graph == graph and not tables else None
+        if bound is not None and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale, key, value):
             return output  # a bound step of the same shape: only what changes per call was checked
         if (key is not None or value is not None) and not self._fused_insert(metadata, query, key, value, tables):
             self.insert_kv(key, value, k_cache, v_cache, metadata, k_scale, v_scale)
             key = value = None
-            if (bound is not None and bound.graph == graph and not tables
-                    and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale)):
+            if bound is not None and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale):
                 return output
         cfg, h = self.cfg, self.cfg.num_kv_heads
         nd, n = metadata.num_decode_tokens, metadata.num_actual_tokens

@@ -35,10 +35,7 @@ def _insert_plan(kernels, key, value, k_cache, v_cache, metadata_or_slots, k_sca
     k scale, v scale], capacity) to write, or None when there is nothing to write."""
     h = k_cache.shape[1]
     checks.check_kv_cache(k_cache, v_cache, h, kv_cache_dtype)
-    checks.check_shape("key", key, (None, h, 128))
-    checks.check_shape("value", value, tuple(key.shape))
-    checks.check_dtype("key", key, (torch.bfloat16, torch.float16))
-    checks.check_dtype("value", value, key.dtype)
+    checks.check_new_kv(key, value, h, (torch.bfloat16, torch.float16))
     stride = block_page_stride(k_cache, v_cache)
     capacity = k_cache.shape[0] // stride * BLOCK_SIZE
     checks.check_scale("k_scale", k_scale, k_cache.dtype, h, capacity)
