@@ -8,7 +8,8 @@ init 0 / local 1 forced blocks. Each case is a decode batch of `c` requests, eve
 tokens long with L new tokens (positions ctx - L .. ctx - 1), random index keys, each request its
 own blocks.
 
-Per case: cold and warm us (anchor.cold_us / warm_us) of both, their ratio (Triton / msa-iree),
+Per case and dot (`--dot`: "mma" tensor cores, "fma" lane-wise products; the one runtime.Indexer
+serves on CUDA, ops.indexer_dot, in bold): cold and warm us (anchor.cold_us / warm_us) of both, their ratio (Triton / msa-iree),
 GB/s over the index-key bytes each request must read (c x ctx x 128 x the cache's element size)
 and that against a device copy measured in the run; `same`: the share of rows whose 16 ids
 (and order) the two agree on, and `ref`: whether msa-iree's rows of one request equal
@@ -27,7 +28,7 @@ import torch
 
 from msa_iree import reference as R
 from msa_iree.config import DTYPES
-from msa_iree.ops import IndexTopkGpuSpec
+from msa_iree.ops import IndexTopkGpuSpec, indexer_dot
 from msa_iree.ops.indexer import indexer_config
 from msa_iree.ops.tuning import INDEXER
 from msa_iree.runtime import KernelLibrary
@@ -62,16 +63,46 @@ def reference_rows(q, cache, table, req, pos, request=0):
     return rows, R.index_topk(q[rows].cpu(), blocks, local, torch.zeros(len(rows), dtype=torch.int32), pos[rows].cpu())
 
 
-def run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy_GBps, gen):
+def run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy_GBps, gen, dots):
+    """One row per dot of `dots` (IndexTopkGpuSpec.dot), on the same inputs, Triton's columns
+    measured once and repeated in each."""
     device = torch.device("cuda")
-    q, cache, table, seq, req, pos = decode_case(c, ctx, L, cache_dtype, device, gen)
+    inputs = decode_case(c, ctx, L, cache_dtype, device, gen)
+    rows = [measure_msa(lib, inputs, c, ctx, L, cache_dtype, flush, dot) for dot in dots]
+    if triton_mod is not None:
+        q, cache, table, seq, req, pos = inputs
+        tout = torch.empty(1, c * L, 16, dtype=torch.int32, device=device)
+
+        def triton():
+            triton_mod.minimax_m3_index_decode(q, cache, table, seq, ctx, 16, 0, 1, 1, L, L, out=tout)
+
+        triton()
+        cold, warm = anchor.cold_us(triton, flush), anchor.warm_us(triton)
+        for row in rows:
+            row["same"] = float((tout == row.pop("_out")).all(-1).float().mean())
+            row["triton_cold_us"], row["triton_warm_us"] = cold, warm
+            row["x_cold"] = cold / row["msa_cold_us"]
+            row["x_warm"] = warm / row["msa_warm_us"]
+    key_bytes = c * ctx * 128 * inputs[1].dtype.itemsize
+    for row in rows:
+        row.pop("_out", None)
+        for who in ("msa", "triton"):
+            if f"{who}_warm_us" in row:
+                row[f"{who}_GBps"] = key_bytes / row[f"{who}_warm_us"] / 1e3
+                row[f"{who}_pct_copy"] = 100 * row[f"{who}_GBps"] / copy_GBps
+    return rows
+
+
+def measure_msa(lib, inputs, c, ctx, L, cache_dtype, flush, dot):
+    device = torch.device("cuda")
+    q, cache, table, seq, req, pos = inputs
     # a decode step's L tokens of a request scored together, as runtime.Indexer serves them
-    spec = IndexTopkGpuSpec(indexer_config(1, cache_dtype, "bf16"), rows=INDEXER.rows_for(L, 1))
+    spec = IndexTopkGpuSpec(indexer_config(1, cache_dtype, "bf16"), rows=INDEXER.rows_for(L, 1), dot=dot)
     raw = (cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache).view(cache.shape[0], -1)
     out = torch.empty(1, c * L, 16, dtype=torch.int32, device=device)
     ws = torch.empty(spec.workspace_floats(c * L, table.shape[1]), device=device)
 
-    emit = IndexTopkGpuSpec(spec.cfg, emit_table=True, rows=spec.rows)
+    emit = IndexTopkGpuSpec(spec.cfg, emit_table=True, rows=spec.rows, dot=dot)
     sbt = torch.empty(c * L, 1, 128, dtype=torch.int32, device=device)
     sctx = torch.empty(c * L, 1, dtype=torch.int32, device=device)
 
@@ -83,31 +114,19 @@ def run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy_GBps, gen):
 
     msa()
     rows, want = reference_rows(q, cache, table, req, pos)
-    row = {"c": c, "ctx": ctx, "L": L, "cache": cache_dtype, "ref": bool(torch.equal(out[:, rows].cpu(), want))}
-    key_bytes = c * ctx * 128 * cache.dtype.itemsize
+    row = {"c": c, "ctx": ctx, "L": L, "cache": cache_dtype, "dot": dot, "kernel": spec.name,
+           "served": dot == indexer_dot(spec.cfg, "cuda", spec.rows),
+           "ref": bool(torch.equal(out[:, rows].cpu(), want))}
     row["msa_cold_us"], row["msa_warm_us"] = anchor.cold_us(msa, flush), anchor.warm_us(msa)
     row["emit_warm_us"] = anchor.warm_us(msa_emit)
     row["emit_over_topk"] = row["emit_warm_us"] / row["msa_warm_us"]
-    if triton_mod is not None:
-        tout = torch.empty_like(out)
-
-        def triton():
-            triton_mod.minimax_m3_index_decode(q, cache, table, seq, ctx, 16, 0, 1, 1, L, L, out=tout)
-
-        triton()
-        row["same"] = float((tout == out).all(-1).float().mean())
-        row["triton_cold_us"], row["triton_warm_us"] = anchor.cold_us(triton, flush), anchor.warm_us(triton)
-        row["x_cold"] = row["triton_cold_us"] / row["msa_cold_us"]
-        row["x_warm"] = row["triton_warm_us"] / row["msa_warm_us"]
-    for who in ("msa", "triton"):
-        if f"{who}_warm_us" in row:
-            row[f"{who}_GBps"] = key_bytes / row[f"{who}_warm_us"] / 1e3
-            row[f"{who}_pct_copy"] = 100 * row[f"{who}_GBps"] / copy_GBps
+    msa()
+    row["_out"] = out.clone()
     return row
 
 
 def table(rows) -> str:
-    head = ("| cache | c | ctx | L | cold us Triton / msa (x) | warm us Triton / msa (x) | GB/s msa (% copy) "
+    head = ("| cache | dot | c | ctx | L | cold us Triton / msa (x) | warm us Triton / msa (x) | GB/s msa (% copy) "
             "| Triton (% copy) | +table | same | ref |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -115,7 +134,8 @@ def table(rows) -> str:
         cold = f"{r['triton_cold_us']:.1f} / {r['msa_cold_us']:.1f} ({r['x_cold']:.2f})" if t else f"- / {r['msa_cold_us']:.1f}"
         warm = f"{r['triton_warm_us']:.1f} / {r['msa_warm_us']:.1f} ({r['x_warm']:.2f})" if t else f"- / {r['msa_warm_us']:.1f}"
         tri = f"{r['triton_GBps']:.0f} ({r['triton_pct_copy']:.0f}%)" if t else "-"
-        lines.append(f"| {r['cache']} | {r['c']} | {r['ctx'] // 1024}K | {r['L']} | {cold} | {warm} | "
+        dot = f"**{r['dot']}**" if r["served"] else r["dot"]
+        lines.append(f"| {r['cache']} | {dot} | {r['c']} | {r['ctx'] // 1024}K | {r['L']} | {cold} | {warm} | "
                      f"{r['msa_GBps']:.0f} ({r['msa_pct_copy']:.0f}%) | {tri} | {r['emit_over_topk']:.3f} | "
                      f"{r.get('same', '-')} | {r['ref']} |")
     return "\n".join(lines)
@@ -127,6 +147,7 @@ def main(argv=None):
     p.add_argument("--anchor", default=None, help="a copy of vLLM's minimax_m3 common/ops/index_topk.py")
     p.add_argument("--cache", default="bf16,fp8_e4m3fn", help="index cache dtypes")
     p.add_argument("--cases", default=None, help="c:ctx:L,... (default: the grid of CASES)")
+    p.add_argument("--dot", default="mma,fma", help="IndexTopkGpuSpec.dot values, each its own row")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -141,7 +162,7 @@ def main(argv=None):
     rows = []
     for cache_dtype in a.cache.split(","):
         for c, ctx, L in cases:
-            rows.append(run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy, gen))
+            rows += run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy, gen, a.dot.split(","))
             print(rows[-1], flush=True)
             torch.cuda.empty_cache()
     print(f"device copy: {copy:.0f} GB/s (read + written)")

@@ -149,7 +149,12 @@ GPU_INDEXER = [K.IndexTopkGpuSpec(MsaConfig(kv_dtype="bf16")),
                K.IndexTopkGpuSpec(MsaConfig(num_heads=32, num_kv_heads=2, kv_dtype="bf16"), 16, 0, 1, rows=2)]
 
 
-@pytest.mark.parametrize("spec", DECODE + INSERT + PAGED_CUDA + INDEXER + GPU_INDEXER, ids=lambda s: s.name)
+# the tensor-core scoring (CUDA only)
+GPU_INDEXER_MMA = [dataclasses.replace(s, dot="mma") for s in GPU_INDEXER]
+
+
+@pytest.mark.parametrize("spec", DECODE + INSERT + PAGED_CUDA + INDEXER + GPU_INDEXER + GPU_INDEXER_MMA,
+                         ids=lambda s: s.name)
 def test_compiles_for_cuda(tmp_path, spec):
     manifest = C.build(None, ["cuda"], tmp_path, specs=[spec], log=lambda m: None)["cuda"]
     assert (manifest.parent / f"{spec.name}.vmfb").stat().st_size > 10_000
@@ -239,6 +244,42 @@ def test_gfx942_indexer_isa(tmp_path):
     # a pick's key (%at*) and block id (%ati*) of each of a lane's 4 entries, nothing else
     assert sorted(re.findall(r"memref\.load %ws\[(%\w+)\]", merge)) == sorted(
         [f"%at{e}" for e in range(4)] + [f"%ati{e}" for e in range(4)])
+
+
+@pytest.mark.parametrize("spec", [GPU_INDEXER_MMA[0], GPU_INDEXER_MMA[3]], ids=lambda s: s.name)
+def test_the_mma_indexer_ptx_scores_on_tensor_cores(tmp_path, spec):
+    """dot="mma": @score's 8 k-steps a tile of 16 positions as bf16 m16n8k16, TILES tiles a loop
+    step, the keys in 16-byte loads; fp8 keys converted by cvt.rn.f16x2.e4m3x2 (sm_89) and moved
+    to bf16 without IREE's rounding emulation (whose NaN constant 0x7FC0 would show); no lane-wise
+    products (fma.rn.f32) left in the score."""
+    ptx, score = _entry_ptx(tmp_path, spec, "score")
+    tiles = spec.tuning.tiles_for(spec.cfg.is_fp8)
+    assert score.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * tiles
+    chunks = 2 * (4 if not spec.cfg.is_fp8 else 2)   # a tile's two positions, 16 bytes a chunk
+    assert score.count("ld.global.nc.v4") >= chunks * tiles
+    assert "fma.rn.f32" not in score and "0x7FC0" not in score
+    if spec.cfg.is_fp8:
+        assert ".target sm_89" in ptx and score.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 8 * tiles
+    else:
+        assert ".target sm_80" in ptx and "cvt.rn.f16x2.e4m3x2" not in score
+
+
+def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
+    with pytest.raises(ValueError, match="target: dot='mma' compiles for cuda, got gfx942"):
+        GPU_INDEXER_MMA[0].target_flags("gfx942")
+    with pytest.raises(ValueError, match="dot: expected one of \\['fma', 'mma'\\], got 'wmma'"):
+        K.IndexTopkGpuSpec(MsaConfig(), dot="wmma")
+    with pytest.raises(ValueError, match="query_dtype: expected bf16 index queries for dot='mma'"):
+        K.IndexTopkGpuSpec(MsaConfig(query_dtype="fp16"), dot="mma")
+    def dots(cfg, target):
+        return {(rows, s.dot) for (rows, _), s in K.indexer_set(cfg, target).topk_gpu.items()}
+
+    # CUDA: fp8 keys on tensor cores; bf16 keys so when a request's tokens share the loads
+    assert dots(MsaConfig(kv_dtype="fp8_e4m3fn"), "cuda") == {(r, "mma") for r in (1, 2, 3, 4)}
+    assert dots(MsaConfig(), "cuda") == {(1, "fma")} | {(r, "mma") for r in (2, 3, 4)}
+    assert dots(MsaConfig(kv_dtype="fp8_e4m3fn"), "gfx942") == {(r, "fma") for r in (1, 2, 3, 4)}
+    assert {dot for _, dot in dots(MsaConfig(query_dtype="fp16"), "cuda")} == {"fma"}
+    assert GPU_INDEXER_MMA[0].name != GPU_INDEXER[0].name and ".mma1" in GPU_INDEXER_MMA[0].name
 
 
 def test_the_indexer_split_rule_covers_every_column_count():

@@ -27,7 +27,7 @@ from .mma import SparseAttnDecodeMmaSpec, SparseAttnPagedMmaSpec, SparseAttnPref
 from .portable import (BuildDecodeTableSpec, BuildPrefillTableSpec, InsertKvSpec, RebaseBlockTableSpec,
                        RebaseSlotsSpec, SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 from .spec import KernelSpec, TemplateSpec
-from .tuning import INDEXER
+from .tuning import INDEXER, INDEXER_DOT
 
 PORTABLE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec, BuildDecodeTableSpec, BuildPrefillTableSpec,
                   SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, InsertKvSpec, IndexTopkSpec,
@@ -132,6 +132,13 @@ class IndexerKernels:
         return [self.topk, self.insert, self.table, *self.topk_gpu.values()]
 
 
+def indexer_dot(cfg: MsaConfig, target: str, rows: int = 1) -> str:
+    """The GPU indexer's dot products on `target` for `rows` tokens a workgroup (tuning.INDEXER_DOT;
+    "fma" for index queries the tensor cores' bf16 dot does not take)."""
+    dot = INDEXER_DOT.get((target, cfg.kv_dtype), ("fma", "fma"))[rows > 1]
+    return dot if cfg.query_dtype == "bf16" else "fma"
+
+
 def indexer_set(cfg: MsaConfig, target=None, init_blocks: int = 0, local_blocks: int = 1,
                 decode_query_lens=(1, 2, 3, 4)) -> IndexerKernels:
     """The indexer's kernels for `cfg` (ops.indexer.indexer_config: index heads, index cache dtype)
@@ -141,10 +148,11 @@ def indexer_set(cfg: MsaConfig, target=None, init_blocks: int = 0, local_blocks:
     if target in IndexTopkGpuSpec.targets and IndexTopkGpuSpec.supports(cfg):
         for rows in sorted({1} | {INDEXER.rows_for(L, cfg.num_kv_heads) for L in decode_query_lens}):
             for emit in (False, True):
-                gpu[rows, emit] = IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks, emit_table=emit, rows=rows)
+                gpu[rows, emit] = IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks, emit_table=emit, rows=rows,
+                                                   dot=indexer_dot(cfg, target, rows))
     return IndexerKernels(IndexTopkSpec(cfg, 16, init_blocks, local_blocks), IndexCacheInsertSpec(cfg),
                           BuildPrefillTableSpec(cfg, 2 * PAGES_PER_BLOCK), gpu)
 
 
-__all__ = ["ALL_KERNELS", "IndexerKernels", "indexer_set", "with_variants", "GPU_ATTEND", "GPU_PAGED_ATTEND", "GPU_SPECS", "NATIVE_MATRIX", "PORTABLE_SPECS", "GpuAttendSpec", "KernelSpec",
+__all__ = ["ALL_KERNELS", "IndexerKernels", "indexer_dot", "indexer_set", "with_variants", "GPU_ATTEND", "GPU_PAGED_ATTEND", "GPU_SPECS", "NATIVE_MATRIX", "PORTABLE_SPECS", "GpuAttendSpec", "KernelSpec",
            "TemplateSpec", "kernel_set", "served_attends", "served_families", "unbuilt_attends", *[c.__name__ for c in ALL_KERNELS.values()]]

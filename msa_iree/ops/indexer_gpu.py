@@ -5,7 +5,8 @@
 Two dispatches: @score (a workgroup per (split, token): the split's block scores in LDS, then each
 head's top-16 of them into the workspace) and @merge (a workgroup per (token, head): the splits'
 top-16s merged into the row's). GPU targets only (llvm-cpu cannot lower gpu.thread_id); the host
-runs the portable kernel. Compiled for CUDA and gfx942; run on CUDA only (no AMD GPU here).
+runs the portable kernel. `dot="fma"` compiles for CUDA and gfx942 (run on CUDA only: no AMD GPU
+here), `dot="mma"` (tensor cores; which one CUDA serves: tuning.INDEXER_DOT) for CUDA only.
 
 Shapes: T tokens, H index heads, C index block-table columns (at most 8,192: 1M tokens).
 """
@@ -37,12 +38,18 @@ class IndexTopkGpuSpec(TemplateSpec):
     # tokens a workgroup of @score scores together, sharing every key load: a decode step's L
     # tokens of one request (the rows come in groups of `rows` consecutive tokens of a request)
     rows: int = 1
+    # @score's dot products: "fma" (lane-wise products, shuffle sums over a position's lanes; CUDA
+    # and gfx942) or "mma" (CUDA tensor cores: a warp's 16 positions x 128 dims against the rows'
+    # and heads' queries as one m16n8k16 bf16 chain, fp8 keys converted exactly to bf16 first, as
+    # vLLM's Triton indexer does; sm_89+ for fp8, whose e4m3 -> f16 conversion is the hardware's)
+    dot: str = "fma"
 
     kernel = "index_topk_gpu"
     template = "index_topk_gpu.mlir.j2"
     targets = ("cuda", "gfx942")
     output_storage = True
     INDEX_HEADS = (1, 2, 4)      # a team of the 8 selects each head's top-16
+    DOTS = {"fma": ("cuda", "gfx942"), "mma": ("cuda",)}   # the targets each dot compiles for
 
     def __post_init__(self):
         check_index_cache_dtype(self.cfg)
@@ -53,6 +60,11 @@ class IndexTopkGpuSpec(TemplateSpec):
             raise ValueError(f"topk: expected 16 for the GPU indexer, got {self.cfg.topk}")
         if self.init_blocks < 0 or self.local_blocks < 0:
             raise ValueError(f"init_blocks, local_blocks: expected >= 0, got {self.init_blocks}, {self.local_blocks}")
+        if self.dot not in self.DOTS:
+            raise ValueError(f"dot: expected one of {sorted(self.DOTS)}, got {self.dot!r}")
+        if self.dot == "mma" and self.cfg.query_dtype != "bf16":
+            raise ValueError(f"query_dtype: expected bf16 index queries for dot='mma' (a bf16 tensor-core dot), "
+                             f"got {self.cfg.query_dtype}")
         if not 1 <= self.rows <= 4 or self.rows * self.cfg.num_kv_heads > 8:
             raise ValueError(f"rows: expected 1..4 tokens a workgroup with rows x index heads <= 8 (a team of the 8 "
                              f"selects each), got {self.rows} with {self.cfg.num_kv_heads} index heads")
@@ -62,6 +74,16 @@ class IndexTopkGpuSpec(TemplateSpec):
         """topk (with emit_table: and the table), then the workspace: a stream launch writes only those."""
         return (-4, -3, -2, -1) if self.emit_table else (-2, -1)
 
+    @property
+    def cuda_arch(self):
+        # cvt.rn.f16x2.e4m3x2 (the fp8 keys' exact conversion) exists from sm_89 on
+        return 89 if self.dot == "mma" and self.cfg.is_fp8 else None
+
+    def target_flags(self, target: str) -> list[str]:
+        if target not in self.DOTS[self.dot]:
+            raise ValueError(f"target: dot={self.dot!r} compiles for {' and '.join(self.DOTS[self.dot])}, got {target}")
+        return super().target_flags(target)
+
     @classmethod
     def supports(cls, cfg) -> bool:
         return cfg.num_kv_heads in cls.INDEX_HEADS and cfg.topk == 16 and cfg.kv_dtype in ("bf16", "fp8_e4m3fn")
@@ -70,19 +92,28 @@ class IndexTopkGpuSpec(TemplateSpec):
     def variant(self):
         c, t = self.cfg, self.tuning
         return (f"h{c.num_kv_heads}.{c.kv_dtype}.q{c.query_dtype}.k{c.topk}.init{self.init_blocks}."
-                f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}u{t.loads_for(self.rows, c.num_kv_heads, c.is_fp8)}"
+                f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}{self._dot_knob}"
                 + (f".r{self.rows}" if self.rows > 1 else "") + (".emit" if self.emit_table else ""))
+
+    @property
+    def _dot_knob(self) -> str:
+        t, c = self.tuning, self.cfg
+        if self.dot == "mma":
+            return f".mma{t.tiles_for(c.is_fp8)}"
+        return f"u{t.loads_for(self.rows, c.num_kv_heads, c.is_fp8)}"
 
     def describe(self) -> dict:
         return {**super().describe(), "init_blocks": self.init_blocks, "local_blocks": self.local_blocks,
-                "emit_table": self.emit_table, "rows": self.rows, "tuning": dataclasses.asdict(self.tuning)}
+                "emit_table": self.emit_table, "rows": self.rows, "dot": self.dot,
+                "tuning": dataclasses.asdict(self.tuning)}
 
     def render(self) -> str:
         c, t = self.cfg, self.tuning
         return render_template(self.template, H=c.num_kv_heads, QT=MLIR_ELEMENT[c.query_dtype],
                                KT=MLIR_ELEMENT[c.kv_dtype], FP8=FP8_FORMAT.get(c.kv_dtype), AMDCVT=False,
                                INIT=self.init_blocks, LOCAL=self.local_blocks, MIN_BPS=t.min_blocks_per_split,
-                               MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table, ROWS=self.rows)
+                               MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table, ROWS=self.rows,
+                               DOT=self.dot, TILES=t.tiles_for(c.is_fp8))
 
     def workspace_floats(self, num_tokens: int, columns: int) -> int:
         """32-bit words of the workspace for num_tokens tokens over `columns` block-table columns:

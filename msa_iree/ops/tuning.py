@@ -113,12 +113,19 @@ class IndexerTuning:
     max_splits: int = 64
     key_loads: int = 8
     max_row_heads: int = 4
+    # dot="mma" (CUDA tensor cores): tiles of 16 positions a warp has in flight, bf16 / fp8 keys
+    # (more in flight was slower for bf16: decision record in benchmarks/PERF.md)
+    mma_tiles: int = 1
+    mma_tiles_fp8: int = 4
 
     def __post_init__(self):
         if not (1 <= self.max_splits <= 64 and 1 <= self.min_blocks_per_split <= 128):
             raise ValueError(f"IndexerTuning: expected max_splits in [1, 64] (@merge's 8 teams of 8 splits) and "
                              f"min_blocks_per_split in [1, 128] (LDS of 128 scores), got {self.max_splits}, "
                              f"{self.min_blocks_per_split}")
+        if self.mma_tiles not in (1, 2, 4, 8) or self.mma_tiles_fp8 not in (1, 2, 4, 8):
+            raise ValueError(f"IndexerTuning.mma_tiles, mma_tiles_fp8: expected 1, 2, 4 or 8 (a divisor of a block's "
+                             f"8 tiles of 16 positions), got {self.mma_tiles}, {self.mma_tiles_fp8}")
         if 32 % self.key_loads:
             raise ValueError(f"IndexerTuning.key_loads: expected a divisor of 32 (a team's loads a block, fp8), "
                              f"got {self.key_loads}")
@@ -126,6 +133,9 @@ class IndexerTuning:
     def loads_for(self, rows: int, heads: int, fp8: bool) -> int:
         # an fp8 load decodes into twice the registers of a bf16 one
         return max(2 if fp8 else 4, self.key_loads // (2 if fp8 else 1) // (rows * heads))
+
+    def tiles_for(self, fp8: bool) -> int:
+        return self.mma_tiles_fp8 if fp8 else self.mma_tiles
 
     def rows_for(self, decode_query_len: int, num_index_heads: int) -> int:
         """Tokens of a request scored together in a decode step of L = decode_query_len tokens a
@@ -143,3 +153,9 @@ class IndexerTuning:
 
 
 INDEXER = IndexerTuning()
+
+# how the GPU indexer's @score takes its dot products: (target, index cache dtype) -> (one token a
+# workgroup, a decode step's tokens of a request together); "mma" tensor cores (CUDA), "fma"
+# lane-wise products and shuffle sums (elsewhere: gfx942 until it has an MFMA twin). One bf16
+# token a workgroup reads its keys faster the fma way (benchmarks/PERF.md, decision record).
+INDEXER_DOT = {("cuda", "bf16"): ("fma", "mma"), ("cuda", "fp8_e4m3fn"): ("mma", "mma")}
