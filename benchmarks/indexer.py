@@ -9,8 +9,8 @@ tokens long with L new tokens (positions ctx - L .. ctx - 1), random index keys,
 own blocks.
 
 Per case and dot (`--dot`: "mma" tensor cores, "fma" lane-wise products; the one runtime.Indexer
-serves on CUDA, ops.indexer_dot, in bold): cold and warm us (anchor.cold_us / warm_us) of both, their ratio (Triton / msa-iree),
-GB/s over the index-key bytes each request must read (c x ctx x 128 x the cache's element size)
+serves on CUDA, ops.indexer_dot, in bold): cold and warm us (anchor.cold_us / warm_us) of both,
+their ratio (Triton / msa-iree), GB/s over the index-key bytes each request must read (c x ctx x 128 x the cache's element size)
 and that against a device copy measured in the run; `same`: the share of rows whose 16 ids
 (and order) the two agree on, and `ref`: whether msa-iree's rows of one request equal
 reference.index_topk's (computed on the host over that request's blocks); `+table`: warm us with
@@ -116,12 +116,10 @@ def measure_msa(lib, inputs, c, ctx, L, cache_dtype, flush, dot):
     rows, want = reference_rows(q, cache, table, req, pos)
     row = {"c": c, "ctx": ctx, "L": L, "cache": cache_dtype, "dot": dot, "kernel": spec.name,
            "served": dot == indexer_dot(spec.cfg, "cuda", spec.rows),
-           "ref": bool(torch.equal(out[:, rows].cpu(), want))}
+           "ref": bool(torch.equal(out[:, rows].cpu(), want)), "_out": out.clone()}
     row["msa_cold_us"], row["msa_warm_us"] = anchor.cold_us(msa, flush), anchor.warm_us(msa)
     row["emit_warm_us"] = anchor.warm_us(msa_emit)
     row["emit_over_topk"] = row["emit_warm_us"] / row["msa_warm_us"]
-    msa()
-    row["_out"] = out.clone()
     return row
 
 

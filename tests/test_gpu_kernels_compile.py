@@ -271,6 +271,7 @@ def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
         K.IndexTopkGpuSpec(MsaConfig(), dot="wmma")
     with pytest.raises(ValueError, match="query_dtype: expected bf16 index queries for dot='mma'"):
         K.IndexTopkGpuSpec(MsaConfig(query_dtype="fp16"), dot="mma")
+
     def dots(cfg, target):
         return {(rows, s.dot) for (rows, _), s in K.indexer_set(cfg, target).topk_gpu.items()}
 
