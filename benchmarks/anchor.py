@@ -41,10 +41,18 @@ def load_triton_module(path: str, what: str = "sparse_attn.py", required=("minim
     import triton
     import triton.language as tl
 
-    class _CudaPlatform:  # vLLM's CudaPlatform.is_arch_support_pdl
+    class _CudaPlatform:  # what vLLM's CudaPlatform answers the Triton files
         @staticmethod
         def is_arch_support_pdl() -> bool:
             return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+        @staticmethod
+        def is_cuda() -> bool:
+            return True
+
+        @staticmethod
+        def is_device_capability(capability) -> bool:  # vLLM's: this exact (major, minor)
+            return torch.cuda.get_device_capability() == tuple(capability)
 
     stand_ins = {name: types.ModuleType(name) for name in ("vllm", "vllm.platforms", "vllm.triton_utils", "vllm.utils",
                                                            "vllm.utils.math_utils")}

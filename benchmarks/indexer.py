@@ -1,5 +1,5 @@
-"""The indexer's decode scores and top-k: msa-iree's GPU kernel (ops/indexer_gpu.py) against vLLM's
-Triton indexer, in one process on the same bytes, by the anchor's protocol (anchor.py).
+"""The indexer's scores and top-k, decode and prefill: msa-iree's GPU kernel (ops/indexer_gpu.py)
+against vLLM's Triton indexer, in one process on the same bytes, by the anchor's protocol (anchor.py).
 
 vLLM serves MiniMax-M3's indexer on CUDA with `minimax_m3_index_decode` of
 `vllm/models/minimax_m3/common/ops/index_topk.py` (the vllm wheel; `--anchor PATH` is a copy taken
@@ -16,11 +16,19 @@ and that against a device copy measured in the run; `same`: the share of rows wh
 reference.index_topk's (computed on the host over that request's blocks); `+table`: warm us with
 the attend's page table emitted in the same launch over warm us without.
 
+Prefill (`--prefill`, q:ctx cases): one request's chunk of q tokens ending at ctx (positions
+ctx - q .. ctx - 1) against vLLM's Triton prefill indexer (`minimax_m3_index_score`, then
+`minimax_m3_index_topk`: a score tensor through memory); msa-iree's query tiles (the tiled kernel
+runtime.Indexer serves a step with prefills, in bold, and the other dot's) and one token a
+workgroup (what it served before the tiles); `ref` over a sample of the rows (every 97th and the
+first 16), GB/s over the same key bytes (each key read once: the bound a tile's sharing aims at).
+
     python -m benchmarks.indexer --build-dir .devbuild/cuda --anchor PATH/index_topk.py --json indexer.json
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -28,8 +36,9 @@ import torch
 
 from msa_iree import reference as R
 from msa_iree.config import DTYPES
-from msa_iree.ops import IndexTopkGpuSpec, indexer_dot
+from msa_iree.ops import IndexTopkGpuSpec, indexer_dot, indexer_set
 from msa_iree.ops.indexer import indexer_config
+from msa_iree.ops.indexer_gpu import QUERY_TILE
 from msa_iree.ops.tuning import INDEXER
 from msa_iree.runtime import KernelLibrary
 
@@ -38,6 +47,7 @@ from .bench import copy_bandwidth_GBps
 
 CASES = [(c, ctx, L) for c in (64, 256) for ctx in (8192, 32768, 131072) for L in (1,)] + \
     [(64, 8192, 4), (64, 32768, 4)]
+PREFILL_CASES = [(4096, 32768)]
 
 
 def decode_case(c, ctx, L, cache_dtype, device, gen):
@@ -55,9 +65,23 @@ def decode_case(c, ctx, L, cache_dtype, device, gen):
     return q, cache, table, seq, req, pos
 
 
-def reference_rows(q, cache, table, req, pos, request=0):
-    """reference.index_topk of one request's rows, on the host over that request's blocks only."""
+def prefill_case(nq, ctx, cache_dtype, device, gen):
+    """(q [nq, 1, 128] bf16, cache [blocks, 128, 128], block_table [1, ctx / 128], req_id and
+    abs_pos [nq], tiles) of one request's chunk of nq tokens ending at ctx, its query tiles."""
+    q, cache, table, _, _, _ = decode_case(1, ctx, 1, cache_dtype, device, gen)
+    q = torch.randn(nq, 1, 128, generator=gen).to(torch.bfloat16).to(device)
+    req = torch.zeros(nq, dtype=torch.int32, device=device)
+    pos = (ctx - nq + torch.arange(nq, device=device)).int()
+    tiles = torch.arange(0, nq, QUERY_TILE, dtype=torch.int32, device=device)
+    return q, cache, table, req, pos, tiles
+
+
+def reference_rows(q, cache, table, req, pos, request=0, every=1):
+    """reference.index_topk of one request's rows (every `every`-th, and the first 16), on the host
+    over that request's blocks only."""
     rows = (req == request).nonzero().flatten()
+    nth = torch.arange(len(rows), device=rows.device)
+    rows = rows[(nth % every == 0) | (nth < 16)]
     blocks = cache[table[request].long()].cpu()
     local = torch.arange(table.shape[1], dtype=torch.int32)[None]
     return rows, R.index_topk(q[rows].cpu(), blocks, local, torch.zeros(len(rows), dtype=torch.int32), pos[rows].cpu())
@@ -123,6 +147,81 @@ def measure_msa(lib, inputs, c, ctx, L, cache_dtype, flush, dot):
     return row
 
 
+def run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy_GBps, gen, dots):
+    """Rows for msa-iree's tiled kernel (each of `dots`) and its one-token-a-workgroup kernel on one
+    chunk, Triton's prefill indexer on the same inputs measured once and repeated in each."""
+    device = torch.device("cuda")
+    q, cache, table, req, pos, tiles = prefill_case(nq, ctx, cache_dtype, device, gen)
+    cfg = indexer_config(1, cache_dtype, "bf16")
+    served = indexer_set(cfg, "cuda").gpu_tiled()
+    specs = [IndexTopkGpuSpec(cfg, rows=INDEXER.tile_rows(1, dot), tiled=True, dot=dot) for dot in dots]
+    specs.append(IndexTopkGpuSpec(cfg, dot=indexer_dot(cfg, "cuda", 1)))
+    raw = (cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache).view(cache.shape[0], -1)
+    sample, want = reference_rows(q, cache, table, req, pos, every=97)
+    rows = []
+    for spec in specs:
+        out = torch.empty(1, nq, 16, dtype=torch.int32, device=device)
+        ws = torch.empty(spec.workspace_floats(nq, table.shape[1]), device=device)
+        emit = dataclasses.replace(spec, emit_table=True)
+        sbt = torch.empty(nq, 1, 128, dtype=torch.int32, device=device)
+        sctx = torch.empty(nq, 1, dtype=torch.int32, device=device)
+        ins = (q, raw, table, req, pos) + ((tiles,) if spec.tiled else ())
+
+        def msa():
+            lib.run(spec, *ins, out=[out, ws])
+
+        def msa_emit():
+            lib.run(emit, *ins, table, out=[out, sbt, sctx, ws])
+
+        msa()
+        row = {"c": 1, "q": nq, "ctx": ctx, "cache": cache_dtype, "dot": spec.dot, "rows": spec.rows,
+               "tiled": spec.tiled, "kernel": spec.name, "served": spec.name == served.name,
+               "ref": bool(torch.equal(out[:, sample].cpu(), want)), "_out": out.clone()}
+        row["msa_cold_us"], row["msa_warm_us"] = anchor.cold_us(msa, flush), anchor.warm_us(msa)
+        row["emit_warm_us"] = anchor.warm_us(msa_emit)
+        row["emit_over_topk"] = row["emit_warm_us"] / row["msa_warm_us"]
+        rows.append(row)
+    if triton_mod is not None:
+        cu = torch.tensor([0, nq], dtype=torch.int32, device=device)
+        seq = torch.tensor([ctx], dtype=torch.int32, device=device)
+        prefix = torch.tensor([ctx - nq], dtype=torch.int32, device=device)
+        tout = torch.empty(1, nq, 16, dtype=torch.int32, device=device)
+
+        def triton():
+            score = triton_mod.minimax_m3_index_score(q, cache, table, cu, seq, prefix, nq, ctx, 1)
+            triton_mod.minimax_m3_index_topk(score, cu, prefix, nq, 16, 0, 1, out=tout)
+
+        triton()
+        cold, warm = anchor.cold_us(triton, flush), anchor.warm_us(triton)
+        for row in rows:
+            row["same"] = float((tout == row["_out"]).all(-1).float().mean())
+            row["triton_cold_us"], row["triton_warm_us"] = cold, warm
+            row["x_cold"] = cold / row["msa_cold_us"]
+            row["x_warm"] = warm / row["msa_warm_us"]
+    key_bytes = ctx * 128 * cache.dtype.itemsize
+    for row in rows:
+        row.pop("_out")
+        for who in ("msa", "triton"):
+            if f"{who}_warm_us" in row:
+                row[f"{who}_GBps"] = key_bytes / row[f"{who}_warm_us"] / 1e3
+                row[f"{who}_pct_copy"] = 100 * row[f"{who}_GBps"] / copy_GBps
+    return rows
+
+
+def prefill_table(rows) -> str:
+    head = ("| cache | kernel | q | ctx | cold us Triton / msa (x) | warm us Triton / msa (x) | +table | same | ref |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        t = "triton_cold_us" in r
+        cold = f"{r['triton_cold_us']:.1f} / {r['msa_cold_us']:.1f} ({r['x_cold']:.2f})" if t else f"- / {r['msa_cold_us']:.1f}"
+        warm = f"{r['triton_warm_us']:.1f} / {r['msa_warm_us']:.1f} ({r['x_warm']:.2f})" if t else f"- / {r['msa_warm_us']:.1f}"
+        kernel = f"{r['dot']}, " + (f"tiles of {r['rows']} a workgroup" if r["tiled"] else "one token a workgroup")
+        kernel = f"**{kernel}**" if r["served"] else kernel
+        lines.append(f"| {r['cache']} | {kernel} | {r['q']} | {r['ctx'] // 1024}K | {cold} | {warm} | "
+                     f"{r['emit_over_topk']:.3f} | {r.get('same', '-')} | {r['ref']} |")
+    return "\n".join(lines)
+
+
 def table(rows) -> str:
     head = ("| cache | dot | c | ctx | L | cold us Triton / msa (x) | warm us Triton / msa (x) | GB/s msa (% copy) "
             "| Triton (% copy) | +table | same | ref |")
@@ -145,29 +244,38 @@ def main(argv=None):
     p.add_argument("--anchor", default=None, help="a copy of vLLM's minimax_m3 common/ops/index_topk.py")
     p.add_argument("--cache", default="bf16,fp8_e4m3fn", help="index cache dtypes")
     p.add_argument("--cases", default=None, help="c:ctx:L,... (default: the grid of CASES)")
+    p.add_argument("--prefill", default=None, help="q:ctx,... prefill cases (default: PREFILL_CASES; 'none': none)")
     p.add_argument("--dot", default="mma,fma", help="IndexTopkGpuSpec.dot values, each its own row")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks.indexer: expected a CUDA GPU (the GPU indexer runs on CUDA; gfx942 is compiled only)")
     cases = CASES if a.cases is None else [tuple(int(x) for x in c.split(":")) for c in a.cases.split(",")]
-    triton_mod = anchor.load_triton_module(a.anchor, "index_topk.py", ("minimax_m3_index_decode",)) if a.anchor else None
+    prefill = PREFILL_CASES if a.prefill is None else [] if a.prefill == "none" else \
+        [tuple(int(x) for x in c.split(":")) for c in a.prefill.split(",")]
+    triton_mod = anchor.load_triton_module(a.anchor, "index_topk.py", ("minimax_m3_index_decode", "minimax_m3_index_score",
+                                                                        "minimax_m3_index_topk")) if a.anchor else None
     lib = KernelLibrary("cuda", a.build_dir)
     device = torch.device("cuda")
     flush = anchor.write_flusher(device)
     copy = copy_bandwidth_GBps(device)
     gen = torch.Generator().manual_seed(0)
-    rows = []
+    rows, prefill_rows = [], []
     for cache_dtype in a.cache.split(","):
         for c, ctx, L in cases:
             rows += run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy, gen, a.dot.split(","))
             print(rows[-1], flush=True)
             torch.cuda.empty_cache()
+        for nq, ctx in prefill:
+            prefill_rows += run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy, gen, a.dot.split(","))
+            print(prefill_rows[-1], flush=True)
+            torch.cuda.empty_cache()
     print(f"device copy: {copy:.0f} GB/s (read + written)")
     print(table(rows))
+    print(prefill_table(prefill_rows))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows,
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows, "prefill_rows": prefill_rows,
                        "command": "python -m benchmarks.indexer " + " ".join(argv or sys.argv[1:])}, f, indent=1)
 
 

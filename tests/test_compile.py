@@ -171,7 +171,7 @@ def test_compile_adds_the_indexer_kernel_when_asked(monkeypatch, tmp_path):
     assert main(argv) == 0 and seen["specs"] is None
     for target, kinds in (("host", [K.IndexTopkSpec, K.IndexCacheInsertSpec, K.BuildPrefillTableSpec]),
                           ("gfx942", [K.IndexTopkSpec, K.IndexCacheInsertSpec, K.BuildPrefillTableSpec]
-                           + [K.IndexTopkGpuSpec] * 4)):
+                           + [K.IndexTopkGpuSpec] * 6)):
         argv[2] = target
         assert main(argv + ["--index-cache-dtype", "fp8_e4m3fn", "--index-init-blocks", "1"]) == 0
         attend = K.kernel_set(seen["cfg"], seen["strides"], seen["lens"], target)
@@ -181,9 +181,11 @@ def test_compile_adds_the_indexer_kernel_when_asked(monkeypatch, tmp_path):
         assert {(s.cfg.num_kv_heads, s.cfg.kv_dtype) for s in indexer} == {(2, "fp8_e4m3fn")}
         assert [(s.init_blocks, s.local_blocks) for s in indexer if hasattr(s, "init_blocks")] == \
             [(1, 1)] * (len(kinds) - 2)
-        # on the GPU: one token a workgroup and, two index heads, a decode step's token pairs; each
-        # with and without the emitted table
-        assert sorted((s.rows, s.emit_table) for s in indexer if isinstance(s, K.IndexTopkGpuSpec)) == \
-            ([(1, False), (1, True), (2, False), (2, True)] if target == "gfx942" else [])
+        # on the GPU: one token a workgroup and, two index heads, a decode step's token pairs, and
+        # query tiles two tokens a workgroup (the lane-wise dot's 4 (token, head) pairs); each with
+        # and without the emitted table
+        assert sorted((s.tiled, s.rows, s.emit_table) for s in indexer if isinstance(s, K.IndexTopkGpuSpec)) == \
+            ([(False, 1, False), (False, 1, True), (False, 2, False), (False, 2, True), (True, 2, False),
+              (True, 2, True)] if target == "gfx942" else [])
     argv[2] = "host"
     assert main(argv + ["--index-cache-dtype", "fp16"]) == 2

@@ -1166,6 +1166,52 @@ def test_the_gpu_indexer_scores_a_requests_decode_tokens_together(cuda_kernels, 
 
 
 @pytest.mark.parametrize("dot", gpu_cases.GPU_INDEXER_DOTS)
+@pytest.mark.parametrize("heads, cache_dtype, rows, emit", gpu_cases.GPU_INDEXER_TILE_CASES)
+def test_the_gpu_indexer_scores_query_tiles_together(cuda_kernels, heads, cache_dtype, rows, emit, dot):
+    """tiled: a workgroup scores `rows` tokens of a query tile (8 consecutive tokens of one request
+    from the tile's first) from each key load: ids and order (and with emit_table the attend's
+    table) exactly the reference's for a decode token, chunks of 13 tokens across a block edge,
+    of 8, of 1 and of 20 at the end of a 1,000-block request, a request of no tokens between
+    them, init and local blocks forced; rows past the step untouched."""
+    from msa_iree.ops import IndexTopkGpuSpec
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(1000 + 10 * rows + heads)
+    cols = 1000
+    cache = torch.randn(cols + 100, 128, 128, generator=gen).to(DTYPES[cache_dtype])
+    table = torch.randint(0, cols + 100, (6, cols), generator=gen, dtype=torch.int32)
+    attend_bt = torch.randint(0, 5000, (6, cols), generator=gen, dtype=torch.int32)
+    # (request, first position, tokens)
+    chunks = [(0, 5 * 128, 1), (1, 120, 13), (2, 0, 0), (3, 7 * 128 + 3, 8), (4, 0, 1), (5, cols * 128 - 20, 20)]
+    req = torch.tensor([r for r, _, n in chunks for _ in range(n)], dtype=torch.int32)
+    pos = torch.tensor([p + i for _, p, n in chunks for i in range(n)], dtype=torch.int32)
+    starts = [0, 1, 14, 14, 22, 23]
+    tiles = torch.tensor([s + t for s, (_, _, n) in zip(starts, chunks) for t in range(0, n, 8)], dtype=torch.int32)
+    assert tiles.tolist() == [0, 1, 9, 14, 22, 23, 31, 39]
+    n = len(pos)
+    q = torch.randn(n, heads, 128, generator=gen).to(torch.bfloat16)
+    want = R.index_topk(q, cache, table, req, pos, init_blocks=1, local_blocks=1)
+    spec = IndexTopkGpuSpec(indexer_config(heads, cache_dtype, "bf16"), 16, 1, 1, rows=rows, tiled=True,
+                            emit_table=emit, dot=dot)
+    raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    topk = torch.full((heads, n + 3, 16), -7, dtype=torch.int32, device=dev)
+    outs = [topk]
+    extra = [attend_bt.to(dev)] if emit else []
+    if emit:
+        outs += [torch.full((n + 3, heads, 128), -7, dtype=torch.int32, device=dev),
+                 torch.full((n + 3, heads), -7, dtype=torch.int32, device=dev)]
+    ws = torch.empty(spec.workspace_floats(n, cols), device=dev)
+    cuda_kernels.run(spec, q.to(dev), raw.reshape(raw.shape[0], -1).to(dev), table.to(dev), req.to(dev), pos.to(dev),
+                     tiles.to(dev), *extra, out=[*outs, ws])
+    assert torch.equal(topk[:, :n].cpu(), want) and topk[:, n:].eq(-7).all()
+    if emit:
+        want_bt, want_ctx = R.build_sparse_block_table_prefill(want, attend_bt, req, pos, 16)
+        assert torch.equal(outs[1][:n].reshape(n * heads, -1).cpu(), want_bt)
+        assert torch.equal(outs[2][:n].reshape(n * heads).cpu(), want_ctx)
+        assert outs[1][n:].eq(-7).all() and outs[2][n:].eq(-7).all()
+
+
+@pytest.mark.parametrize("dot", gpu_cases.GPU_INDEXER_DOTS)
 def test_the_gpu_indexer_ranks_the_hand_made_request(cuda_kernels, dot):
     """Block 0 scores 1, blocks 1 and 2 tie at 3, block 3 holds a NaN, block 4 scores -5, the own
     block (4) forced local: [4, 1, 2, 0, 3, -1, ...] (test_indexer_kernel's vector)."""
@@ -1225,6 +1271,7 @@ def test_the_indexer_serves_the_gpu_kernel_on_the_step_metadata(cuda_kernels):
     index_q = torch.randn(n, 1, 128, generator=gen).to(torch.bfloat16)
     indexer = Indexer(1, torch.bfloat16, kernels=cuda_kernels)
     assert indexer.specs.gpu() is not None
+    assert indexer._gpu_spec(md, index_q.to(dev)).tiled  # a step with a prefill: its query tiles
     want = R.index_topk(index_q, cache, index_bt, req, pos)
     out = torch.full((1, n + 4, 16), -7, dtype=torch.int32, device=dev)
     got = indexer.topk(index_q.to(dev), cache.to(dev), md, out=out)

@@ -19,7 +19,7 @@ from ..layout import PAGES_PER_BLOCK
 from .attend_gpu import GpuAttendSpec
 from .fma import SparseAttnDecodeFmaSpec, SparseAttnPagedFmaSpec, SparseAttnPrefillFmaSpec
 from .indexer import IndexCacheInsertSpec, IndexTopkSpec
-from .indexer_gpu import IndexTopkGpuSpec
+from .indexer_gpu import QUERY_TILE, IndexTopkGpuSpec
 from .insert_gpu import InsertKvGpuSpec
 from .mfma import (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnDecodeMfmaSpec, SparseAttnPagedMfmaEmulatedSpec,
                    SparseAttnPagedMfmaSpec, SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPrefillMfmaSpec)
@@ -124,12 +124,17 @@ class IndexerKernels:
     # (rows: a decode step's tokens of a request scored together; emit_table: the attend's page
     # table written by the same launch)
     topk_gpu: dict = dataclasses.field(default_factory=dict)
+    # ... the tiled ones (any step: its tokens in query tiles, MsaMetadata.query_tiles): emit_table -> spec
+    topk_gpu_tiled: dict = dataclasses.field(default_factory=dict)
 
     def gpu(self, rows: int = 1, emit_table: bool = False) -> IndexTopkGpuSpec | None:
         return self.topk_gpu.get((rows, emit_table))
 
+    def gpu_tiled(self, emit_table: bool = False) -> IndexTopkGpuSpec | None:
+        return self.topk_gpu_tiled.get(emit_table)
+
     def specs(self) -> list[KernelSpec]:
-        return [self.topk, self.insert, self.table, *self.topk_gpu.values()]
+        return [self.topk, self.insert, self.table, *self.topk_gpu.values(), *self.topk_gpu_tiled.values()]
 
 
 def indexer_dot(cfg: MsaConfig, target: str, rows: int = 1) -> str:
@@ -143,15 +148,22 @@ def indexer_set(cfg: MsaConfig, target=None, init_blocks: int = 0, local_blocks:
                 decode_query_lens=(1, 2, 3, 4)) -> IndexerKernels:
     """The indexer's kernels for `cfg` (ops.indexer.indexer_config: index heads, index cache dtype)
     on `target`; init_blocks / local_blocks: MiniMax-M3's sparse_init_block / sparse_local_block;
-    decode_query_lens: the decode steps' L, each scored in its own rows a workgroup."""
-    gpu = {}
+    decode_query_lens: the decode steps' L, each scored in its own rows a workgroup; any other step
+    (prefills) in query tiles, as many of a tile's tokens a workgroup as tuning.INDEXER.tile_rows says."""
+    gpu, tiled = {}, {}
     if target in IndexTopkGpuSpec.targets and IndexTopkGpuSpec.supports(cfg):
         for rows in sorted({1} | {INDEXER.rows_for(L, cfg.num_kv_heads) for L in decode_query_lens}):
             for emit in (False, True):
                 gpu[rows, emit] = IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks, emit_table=emit, rows=rows,
                                                    dot=indexer_dot(cfg, target, rows))
+        dot = indexer_dot(cfg, target, QUERY_TILE)
+        rows = INDEXER.tile_rows(cfg.num_kv_heads, dot)
+        if rows > 1:  # (one token a workgroup is the untiled kernel's)
+            for emit in (False, True):
+                tiled[emit] = IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks, emit_table=emit, rows=rows,
+                                               tiled=True, dot=dot)
     return IndexerKernels(IndexTopkSpec(cfg, 16, init_blocks, local_blocks), IndexCacheInsertSpec(cfg),
-                          BuildPrefillTableSpec(cfg, 2 * PAGES_PER_BLOCK), gpu)
+                          BuildPrefillTableSpec(cfg, 2 * PAGES_PER_BLOCK), gpu, tiled)
 
 
 __all__ = ["ALL_KERNELS", "IndexerKernels", "indexer_dot", "indexer_set", "with_variants", "GPU_ATTEND", "GPU_PAGED_ATTEND", "GPU_SPECS", "NATIVE_MATRIX", "PORTABLE_SPECS", "GpuAttendSpec", "KernelSpec",

@@ -19,12 +19,16 @@ from .spec import FP8_FORMAT, MLIR_ELEMENT, TemplateSpec, render_template
 from .tuning import INDEXER, IndexerTuning
 
 MAX_COLUMNS = 128 * 64  # blocks per split (LDS of 128 scores) x splits (@merge: 8 teams of 8)
+# a tiled launch's tiles: this many consecutive tokens of one request (fewer at its end), each
+# tile's first token in a table the step's metadata builder makes (MsaMetadata.query_tiles)
+QUERY_TILE = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class IndexTopkGpuSpec(TemplateSpec):
     """Operands as the portable IndexTopkSpec's (index_q [T, H, 128], the index cache as [blocks,
-    16384] storage elements, index_block_table [R, C], req_id / abs_pos [T]), then the output topk
+    16384] storage elements, index_block_table [R, C], req_id / abs_pos [T]; tiled: then tiles
+    [tiles] int32, each tile's first token), then the output topk
     [H, >= T, 16] int32 (rows < T written) and a workspace (workspace_floats) as the results'
     storage: the call allocates nothing. cfg as IndexTopkSpec's (num_kv_heads: index heads)."""
 
@@ -35,9 +39,14 @@ class IndexTopkGpuSpec(TemplateSpec):
     # group's block table after abs_pos, and sparse_bt [>= T, H, 128], sparse_ctx [>= T, H] int32
     # between topk and the workspace
     emit_table: bool = False
-    # tokens a workgroup of @score scores together, sharing every key load: a decode step's L
-    # tokens of one request (the rows come in groups of `rows` consecutive tokens of a request)
+    # tokens a workgroup of @score scores together, sharing every key load: untiled, a decode
+    # step's L tokens of one request (the rows come in groups of `rows` consecutive tokens of a
+    # request); tiled, `rows` tokens of a query tile (any step, prefills included)
     rows: int = 1
+    # the rows in tiles of QUERY_TILE tokens of a request: a table of the tiles' first tokens
+    # (tiles [tiles] int32, MsaMetadata.query_tiles) follows abs_pos, QUERY_TILE / rows
+    # workgroups a tile
+    tiled: bool = False
     # @score's dot products: "fma" (lane-wise products, shuffle sums over a position's lanes; CUDA
     # and gfx942) or "mma" (CUDA tensor cores: a warp's 16 positions x 128 dims against the rows'
     # and heads' queries as one m16n8k16 bf16 chain, fp8 keys converted exactly to bf16 first, as
@@ -65,7 +74,12 @@ class IndexTopkGpuSpec(TemplateSpec):
         if self.dot == "mma" and self.cfg.query_dtype != "bf16":
             raise ValueError(f"query_dtype: expected bf16 index queries for dot='mma' (a bf16 tensor-core dot), "
                              f"got {self.cfg.query_dtype}")
-        if not 1 <= self.rows <= 4 or self.rows * self.cfg.num_kv_heads > 8:
+        if self.tiled:
+            if QUERY_TILE % self.rows or self.rows * self.cfg.num_kv_heads > 8:
+                raise ValueError(f"rows: expected a divisor of the {QUERY_TILE}-token query tile with rows x index "
+                                 f"heads <= 8 (a team of the 8 selects each) for tiled=True, got {self.rows} with "
+                                 f"{self.cfg.num_kv_heads} index heads")
+        elif not 1 <= self.rows <= 4 or self.rows * self.cfg.num_kv_heads > 8:
             raise ValueError(f"rows: expected 1..4 tokens a workgroup with rows x index heads <= 8 (a team of the 8 "
                              f"selects each), got {self.rows} with {self.cfg.num_kv_heads} index heads")
 
@@ -93,7 +107,8 @@ class IndexTopkGpuSpec(TemplateSpec):
         c, t = self.cfg, self.tuning
         return (f"h{c.num_kv_heads}.{c.kv_dtype}.q{c.query_dtype}.k{c.topk}.init{self.init_blocks}."
                 f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}{self._dot_knob}"
-                + (f".r{self.rows}" if self.rows > 1 else "") + (".emit" if self.emit_table else ""))
+                + (f".t{self.rows}" if self.tiled else f".r{self.rows}" if self.rows > 1 else "")
+                + (".emit" if self.emit_table else ""))
 
     @property
     def _dot_knob(self) -> str:
@@ -104,7 +119,7 @@ class IndexTopkGpuSpec(TemplateSpec):
 
     def describe(self) -> dict:
         return {**super().describe(), "init_blocks": self.init_blocks, "local_blocks": self.local_blocks,
-                "emit_table": self.emit_table, "rows": self.rows, "dot": self.dot,
+                "emit_table": self.emit_table, "rows": self.rows, "tiled": self.tiled, "dot": self.dot,
                 "tuning": dataclasses.asdict(self.tuning)}
 
     def render(self) -> str:
@@ -112,8 +127,9 @@ class IndexTopkGpuSpec(TemplateSpec):
         return render_template(self.template, H=c.num_kv_heads, QT=MLIR_ELEMENT[c.query_dtype],
                                KT=MLIR_ELEMENT[c.kv_dtype], FP8=FP8_FORMAT.get(c.kv_dtype), AMDCVT=False,
                                INIT=self.init_blocks, LOCAL=self.local_blocks, MIN_BPS=t.min_blocks_per_split,
-                               MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table, ROWS=self.rows,
-                               DOT=self.dot, TILES=t.tiles_for(c.is_fp8))
+                               MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
+                               ROWS=self.rows, TILED=self.tiled, QUERY_TILE=QUERY_TILE, DOT=self.dot,
+                               TILES=t.tiles_for(c.is_fp8))
 
     def workspace_floats(self, num_tokens: int, columns: int) -> int:
         """32-bit words of the workspace for num_tokens tokens over `columns` block-table columns:

@@ -143,6 +143,11 @@ class IndexerTuning:
         return max(r for r in range(1, 5) if decode_query_len % r == 0 and r * num_index_heads <= self.max_row_heads
                    or r == 1)
 
+    def tile_rows(self, num_index_heads: int, dot: str) -> int:
+        """Tokens of a query tile a tiled workgroup scores together: as many (token, head) pairs as
+        the tensor cores' m16n8k16 has columns (8), or for the lane-wise dot max_row_heads."""
+        return max(1, (8 if dot == "mma" else self.max_row_heads) // num_index_heads)
+
     def blocks_per_split(self, columns: int) -> int:
         """Blocks a split scores for a block table of `columns` columns (the template's rule)."""
         narrow = -(-columns // self.min_blocks_per_split) <= self.max_splits

@@ -91,9 +91,12 @@ class Indexer:
 
     def _gpu_spec(self, metadata, q, emit_table=False):
         """The GPU kernel for this step (None: the portable one): a decode-only step's tokens of a
-        request scored together (its rows are L consecutive tokens of each request)."""
+        request scored together (its rows are L consecutive tokens of each request), any other
+        step's in its query tiles (metadata.query_tiles)."""
         if not q.is_cuda:
             return None
+        if metadata.query_tiles is not None and self.specs.gpu_tiled(emit_table) is not None:
+            return self.specs.gpu_tiled(emit_table)
         rows = 1
         if metadata.prefill is None and metadata.decode is not None:
             rows = INDEXER.rows_for(metadata.decode.decode_query_len, self.cfg.num_kv_heads)
@@ -133,8 +136,9 @@ class Indexer:
             raise ValueError(f"metadata: expected an index block table of at most {MAX_COLUMNS} columns "
                              f"({MAX_COLUMNS * BLOCK_SIZE} tokens) for the GPU indexer, got {columns}")
         ws = self.kernels.workspace(spec.workspace_floats(index_q.shape[0], columns), index_q.device, "indexer")
+        tiles = (metadata.query_tiles,) if spec.tiled else ()
         self.kernels.run(spec, index_q, raw.view(raw.shape[0], -1), metadata.block_table, metadata.token_req_id,
-                         metadata.token_abs_pos, *extra, out=[*outputs, ws])
+                         metadata.token_abs_pos, *tiles, *extra, out=[*outputs, ws])
 
     def topk_with_table(self, index_q, index_cache, metadata: MsaMetadata, attend_metadata: MsaMetadata, *,
                         out=None, table_out=None):

@@ -17,6 +17,7 @@ import torch
 from .. import checks
 from ..layout import BLOCK_SIZE
 from ..ops import InsertKvGpuSpec
+from ..ops.indexer_gpu import QUERY_TILE
 from .library import KernelLibrary, _current_raw_stream
 
 
@@ -67,6 +68,10 @@ class MsaMetadata:
     # where and how big the step's tensors are: two steps with one key have their tensors at the
     # same addresses in the same shapes, so a launch bound for one serves the other
     step_key: tuple = ()
+    # a step with prefills: its tokens in tiles of QUERY_TILE consecutive tokens of one request
+    # (fewer at a request's end), [tiles] int32 each tile's first token, the requests in order
+    # (the GPU indexer's tiled launch); None for a decode-only step
+    query_tiles: torch.Tensor | None = None
 
     def check_cache_blocks(self, num_blocks: int, what="k_cache"):
         """Refuse a cache with fewer blocks than the step references (no sync: ints)."""
@@ -116,6 +121,17 @@ def _used_extremes(block_table, need) -> tuple[int, int]:
             int(np.minimum.reduceat(flat, spans)[0::2][used].min()))
 
 
+def _write_query_tiles(out, starts, lens) -> int:
+    """Each request's tokens [starts[r], starts[r] + lens[r]) in tiles of QUERY_TILE: the tiles'
+    first tokens into out, requests in order. Returns their count."""
+    per_req = -(-lens // QUERY_TILE)
+    count = int(per_req.sum())
+    first_tile = np.cumsum(per_req) - per_req
+    nth = np.arange(count) - np.repeat(first_tile, per_req)
+    out[:count] = np.repeat(starts, per_req) + nth * QUERY_TILE
+    return count
+
+
 ALIGN = 16  # int32 elements: every tensor a step hands the kernels starts 64-byte aligned
 
 
@@ -145,7 +161,8 @@ class _StepLayout:
 
     The input buffer holds the step's inputs as given, [qsl | seq_lens | computed | block table |
     slots]; the derived buffer what the builder works out on the host, [page-16 block table |
-    page-16 slots | slots | cu_seqlens_q | context_lens | query_req_id | query_abs_pos | every
+    page-16 slots | slots | cu_seqlens_q | context_lens | query_req_id | query_abs_pos | query
+    tiles | every
     token's request | every token's position | seq_lens | the prefills' seq_lens, block table
     and page-16 block table | the portable insert's rows]. Each tensor a kernel reads starts on an
     ALIGN-element (64-byte) boundary: the compiled kernels take their operands' addresses as
@@ -157,16 +174,18 @@ class _StepLayout:
     def __init__(self, builder, shape):
         b, cols, n_slots, n, nd, L = shape
         num_prefills, n_prefill = b - nd, n - nd * L
-        names = ["page16", "page16_slots", "slots"] + (["cu", "ctx", "qreq", "qpos"] if num_prefills else []) \
+        names = ["page16", "page16_slots", "slots"] + (["cu", "ctx", "qreq", "qpos", "tiles"] if num_prefills else []) \
             + ["req", "pos", "seq", "seq_prefill", "bt_prefill", "page16_prefill"]
-        sizes = [b * cols, n, n] + ([num_prefills + 1, num_prefills, n_prefill, n_prefill] if num_prefills else []) \
+        # (a request's tiles: ceil(its tokens / QUERY_TILE), so all of them at most n / QUERY_TILE + b)
+        sizes = [b * cols, n, n] + ([num_prefills + 1, num_prefills, n_prefill, n_prefill, n // QUERY_TILE + b]
+                                    if num_prefills else []) \
             + [n, n, b, num_prefills, num_prefills * cols, num_prefills * cols]
         self.at = dict(zip(names, _aligned_starts(sizes)))  # name -> its first element in the derived buffer
         self.n_derived = _aligned(self.at[names[-1]] + sizes[-1])
         self.derived, self.host_derived = builder._derived[:self.n_derived], builder._host_derived[:self.n_derived]
         views = [self.derived[self.at[k]:self.at[k] + size] for k, size in zip(names, sizes)]
         page16, self.page16_slots, self.slots = views[0].view(b, cols), views[1], views[2]
-        self.prefill_views = views[3:-6]
+        self.prefill_views, self.tiles = (views[3:7], views[7]) if num_prefills else ((), None)
         self.token_req_id, self.token_abs_pos, seq_lens, seq_prefill, bt_prefill, page16_prefill = views[-6:]
         at_bt, _ = _input_starts(b, cols)
         block_table = builder._inputs[at_bt:at_bt + b * cols].view(b, cols)
@@ -239,8 +258,8 @@ class MetadataBuilder:
     def _allocate_derived(self, tokens):
         self.max_tokens = tokens
         # vLLM's page-16 table (at most [max_num_seqs, cdiv(max_model_len, 128)]), then the per-token values
-        self._derived, self._host_derived = self._buffer(self.max_num_seqs * (3 * self.max_cols + 4) + 1 + 8 * tokens
-                                                         + 16 * ALIGN)
+        self._derived, self._host_derived = self._buffer(self.max_num_seqs * (3 * self.max_cols + 5) + 1 + 8 * tokens
+                                                         + tokens // QUERY_TILE + 17 * ALIGN)
         self._token_index = torch.arange(tokens, dtype=torch.int32, device=self.device)
         self._layouts.clear()
 
@@ -414,8 +433,8 @@ class MetadataBuilder:
         max_block, max_slot = self._check_ids(host_bt, seq, host_slots)
 
         layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
-        count = self._derive(layout, host_bt, host_slots, qlens[num_decodes:], computed[num_decodes:], seq,
-                             num_decodes, decode_query_len)
+        count, num_tiles = self._derive(layout, host_bt, host_slots, qlens[num_decodes:], computed[num_decodes:],
+                                        seq, num_decodes, decode_query_len)
         if self.gpu_writer:
             token_index, insert_slots = layout.token_index, layout.slots  # the GPU writer skips slots < 0
         else:  # the portable writer takes the written tokens only, after the layout's derived values
@@ -438,15 +457,16 @@ class MetadataBuilder:
             prefill = PrefillMetadata(bt, cu, seqs, ctx, query_req_id, query_abs_pos, page16)
         return MsaMetadata(n, num_decodes, num_decode_tokens, b - num_decodes, n - num_decode_tokens, decode, prefill,
                            layout.slots, layout.page16_slots, token_index, insert_slots, layout.block_table,
-                           layout.token_req_id, layout.token_abs_pos, max_block, max_slot, layout.key)
+                           layout.token_req_id, layout.token_abs_pos, max_block, max_slot, layout.key,
+                           None if layout.tiles is None else layout.tiles[:num_tiles])
 
-    def _derive(self, layout, block_table, slots, qlens, computed, seq, num_decodes, L) -> int:
+    def _derive(self, layout, block_table, slots, qlens, computed, seq, num_decodes, L) -> tuple[int, int]:
         """Write the derived values into the host side of the derived buffer (once the last
         step's copy of it has left): the page-16 block table and slots, the slots, for prefills
         cu_seqlens_q, context_lens, query_req_id and query_abs_pos, every token's request and
         position (decode rows: seq_len - L + t % L, reference.decode_token_positions; a padded
-        request's are below 0), seq_lens and the prefills' rows of it and of both block tables.
-        Returns their count."""
+        request's are below 0), seq_lens and the prefills' rows of it and of both block tables;
+        with prefills the query tiles. Returns (their count, the query tiles' count)."""
         if self._copy_stream is not None and self._copy_stream != self._raw_stream():
             torch.cuda.synchronize(self.device)  # the last copy back went on another stream: let it finish
         out, at = layout.host_derived.numpy(), layout.at
@@ -479,7 +499,10 @@ class MetadataBuilder:
             qpos[:] = computed[req] + np.arange(n_prefill) - cu[req]
             req_of[nd:] = req + decode_seq.shape[0]
             pos_of[nd:] = qpos
-        return layout.n_derived
+            starts = np.concatenate([np.arange(decode_seq.shape[0]) * L, nd + cu[:-1]])
+            lens = np.concatenate([np.full(decode_seq.shape[0], L), qlens])
+            return layout.n_derived, _write_query_tiles(out[at["tiles"]:], starts, lens)
+        return layout.n_derived, 0
 
     def _copy_back(self, layout, count):
         """The derived buffer's first `count` values to the device (a GPU's: asynchronously; the
