@@ -22,9 +22,10 @@ GPU_INDEXER_CASES = [(1, "bf16", 0, 1), (2, "bf16", 1, 1), (4, "fp8_e4m3fn", 2, 
 # ... a decode step's tokens of a request scored together: (index heads, cache dtype, L = rows, emit_table)
 GPU_INDEXER_ROW_CASES = [(1, "bf16", 4, False), (1, "fp8_e4m3fn", 3, True), (2, "bf16", 2, False),
                          (1, "fp8_e4m3fn", 4, False), (1, "bf16", 2, True)]
-# ... a step's tokens in query tiles (prefills): (index heads, cache dtype, rows, emit_table)
-GPU_INDEXER_TILE_CASES = [(1, "bf16", 8, False), (1, "fp8_e4m3fn", 8, True), (2, "bf16", 4, True),
-                          (4, "fp8_e4m3fn", 2, False), (1, "bf16", 4, False)]
+# ... a step's tokens in query tiles (prefills): (index heads, cache dtype, rows, emit_table, dot)
+GPU_INDEXER_TILE_CASES = [(1, "bf16", 32, False, "mma"), (1, "fp8_e4m3fn", 32, True, "mma"), (2, "bf16", 16, True, "mma"),
+                          (4, "fp8_e4m3fn", 8, False, "mma"), (1, "bf16", 8, False, "mma"), (1, "bf16", 8, False, "fma"),
+                          (1, "fp8_e4m3fn", 4, True, "fma"), (2, "bf16", 4, True, "fma"), (4, "fp8_e4m3fn", 2, False, "fma")]
 # ... each with both ways of taking @score's dot products on CUDA (IndexTopkGpuSpec.dot)
 GPU_INDEXER_DOTS = ("fma", "mma")
 
@@ -91,9 +92,8 @@ def gpu_test_specs():
                       for emit in (False, True)]
         for heads, kv, L, emit in GPU_INDEXER_ROW_CASES:
             specs.append(IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, 0, 1, emit_table=emit, rows=L, dot=dot))
-        for heads, kv, rows, emit in GPU_INDEXER_TILE_CASES:
-            specs.append(IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, 1, 1, emit_table=emit, rows=rows,
-                                          tiled=True, dot=dot))
+    specs += [IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, 1, 1, emit_table=emit, rows=rows, tiled=True, dot=dot)
+              for heads, kv, rows, emit, dot in GPU_INDEXER_TILE_CASES]
     for kv in ("bf16", "fp8_e4m3fn"):  # runtime.Indexer's, and the benchmark's (both dots: its A/B)
         served = indexer_set(indexer_config(1, kv, "bf16"), "cuda")
         specs += served.specs()

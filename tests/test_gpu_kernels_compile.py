@@ -285,17 +285,17 @@ def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
     assert dots(MsaConfig(kv_dtype="fp8_e4m3fn"), "gfx942") == {(r, "fma") for r in (1, 2, 3, 4)}
     assert {dot for _, dot in dots(MsaConfig(query_dtype="fp16"), "cuda")} == {"fma"}
     assert GPU_INDEXER_MMA[0].name != GPU_INDEXER[0].name and ".mma1" in GPU_INDEXER_MMA[0].name
-    # query tiles: CUDA's tensor cores fill their 8 columns with (token, head) pairs, the lane-wise
-    # dot takes 4 (gfx942); a tile of one token a workgroup is the untiled kernel
+    # query tiles: CUDA's tensor cores take 32 (token, head) pairs (4 groups of their 8 columns),
+    # the lane-wise dot 4 (gfx942); a tile of one token a workgroup is the untiled kernel
     tiled = {(h, kv, target): K.indexer_set(MsaConfig(num_heads=16 * h, num_kv_heads=h, kv_dtype=kv), target).gpu_tiled()
              for h in (1, 2, 4) for kv in ("bf16", "fp8_e4m3fn") for target in ("cuda", "gfx942")}
     assert {k: (s.rows, s.dot) for k, s in tiled.items() if s is not None} == {
-        **{(h, kv, "cuda"): (8 // h, "mma") for h in (1, 2, 4) for kv in ("bf16", "fp8_e4m3fn")},
+        **{(h, kv, "cuda"): (32 // h, "mma") for h in (1, 2, 4) for kv in ("bf16", "fp8_e4m3fn")},
         **{(h, kv, "gfx942"): (4 // h, "fma") for h in (1, 2) for kv in ("bf16", "fp8_e4m3fn")}}
     assert all(tiled[4, kv, "gfx942"] is None for kv in ("bf16", "fp8_e4m3fn"))
     served = K.indexer_set(MsaConfig(), "cuda")
     assert served.gpu_tiled(True).emit_table and served.gpu_tiled(True) in served.specs()
-    assert served.gpu_tiled().name.endswith(".mma1.t8") and served.gpu_tiled() in served.specs()
+    assert served.gpu_tiled().name.endswith(".mma1.t32") and served.gpu_tiled() in served.specs()
 
 
 def test_the_indexer_split_rule_covers_every_column_count():
@@ -329,11 +329,13 @@ def test_the_gpu_indexer_refuses_what_it_cannot_build():
         K.IndexTopkGpuSpec(MsaConfig(num_heads=64, num_kv_heads=4), rows=3)
     with pytest.raises(ValueError, match="rows: expected 1..4 tokens a workgroup .* got 8 with 1"):
         K.IndexTopkGpuSpec(MsaConfig(), rows=8)
-    with pytest.raises(ValueError, match="rows: expected a divisor of the 8-token query tile with rows x index heads "
-                                         "<= 8 .* for tiled=True, got 3 with 1 index heads"):
+    with pytest.raises(ValueError, match="rows: expected a divisor of the 32-token query tile with rows x index heads "
+                                         "<= 8 for tiled=True and dot='fma', got 3 with 1 index heads"):
         K.IndexTopkGpuSpec(MsaConfig(), rows=3, tiled=True)
-    with pytest.raises(ValueError, match="rows: expected a divisor of the 8-token query tile .* got 8 with 2 index heads"):
+    with pytest.raises(ValueError, match="rows: expected a divisor of the 32-token query tile .* got 8 with 2 index heads"):
         K.IndexTopkGpuSpec(MsaConfig(num_heads=32, num_kv_heads=2), rows=8, tiled=True)
+    with pytest.raises(ValueError, match="<= 32 for tiled=True and dot='mma', got 32 with 2 index heads"):
+        K.IndexTopkGpuSpec(MsaConfig(num_heads=32, num_kv_heads=2), rows=32, tiled=True, dot="mma")
     assert K.IndexTopkGpuSpec(MsaConfig(), rows=8, tiled=True).name.endswith(".t8")
 
 

@@ -21,7 +21,7 @@ from .tuning import INDEXER, IndexerTuning
 MAX_COLUMNS = 128 * 64  # blocks per split (LDS of 128 scores) x splits (@merge: 8 teams of 8)
 # a tiled launch's tiles: this many consecutive tokens of one request (fewer at its end), each
 # tile's first token in a table the step's metadata builder makes (MsaMetadata.query_tiles)
-QUERY_TILE = 8
+QUERY_TILE = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,9 @@ class IndexTopkGpuSpec(TemplateSpec):
     output_storage = True
     INDEX_HEADS = (1, 2, 4)      # a team of the 8 selects each head's top-16
     DOTS = {"fma": ("cuda", "gfx942"), "mma": ("cuda",)}   # the targets each dot compiles for
+    # the most (token, head) columns a tiled workgroup scores: lane-wise, 8 (a register each);
+    # on tensor cores, 4 groups of an m16n8k16's 8 columns sharing each key fragment
+    TILE_ROW_HEADS = {"fma": 8, "mma": 32}
 
     def __post_init__(self):
         check_index_cache_dtype(self.cfg)
@@ -75,9 +78,10 @@ class IndexTopkGpuSpec(TemplateSpec):
             raise ValueError(f"query_dtype: expected bf16 index queries for dot='mma' (a bf16 tensor-core dot), "
                              f"got {self.cfg.query_dtype}")
         if self.tiled:
-            if QUERY_TILE % self.rows or self.rows * self.cfg.num_kv_heads > 8:
+            most = self.TILE_ROW_HEADS[self.dot]
+            if QUERY_TILE % self.rows or self.rows * self.cfg.num_kv_heads > most:
                 raise ValueError(f"rows: expected a divisor of the {QUERY_TILE}-token query tile with rows x index "
-                                 f"heads <= 8 (a team of the 8 selects each) for tiled=True, got {self.rows} with "
+                                 f"heads <= {most} for tiled=True and dot={self.dot!r}, got {self.rows} with "
                                  f"{self.cfg.num_kv_heads} index heads")
         elif not 1 <= self.rows <= 4 or self.rows * self.cfg.num_kv_heads > 8:
             raise ValueError(f"rows: expected 1..4 tokens a workgroup with rows x index heads <= 8 (a team of the 8 "

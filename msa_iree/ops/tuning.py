@@ -117,6 +117,9 @@ class IndexerTuning:
     # (more in flight was slower for bf16: decision record in benchmarks/PERF.md)
     mma_tiles: int = 1
     mma_tiles_fp8: int = 4
+    # a tiled (prefill) workgroup on tensor cores: (token, head) pairs sharing each key fragment
+    # (groups of the m16n8k16's 8 columns; decision record in benchmarks/PERF.md)
+    tile_row_heads_mma: int = 32
 
     def __post_init__(self):
         if not (1 <= self.max_splits <= 64 and 1 <= self.min_blocks_per_split <= 128):
@@ -126,6 +129,9 @@ class IndexerTuning:
         if self.mma_tiles not in (1, 2, 4, 8) or self.mma_tiles_fp8 not in (1, 2, 4, 8):
             raise ValueError(f"IndexerTuning.mma_tiles, mma_tiles_fp8: expected 1, 2, 4 or 8 (a divisor of a block's "
                              f"8 tiles of 16 positions), got {self.mma_tiles}, {self.mma_tiles_fp8}")
+        if self.tile_row_heads_mma not in (8, 16, 32):
+            raise ValueError(f"IndexerTuning.tile_row_heads_mma: expected 8, 16 or 32 (groups of an m16n8k16's 8 "
+                             f"columns, at most 4), got {self.tile_row_heads_mma}")
         if 32 % self.key_loads:
             raise ValueError(f"IndexerTuning.key_loads: expected a divisor of 32 (a team's loads a block, fp8), "
                              f"got {self.key_loads}")
@@ -144,9 +150,9 @@ class IndexerTuning:
                    or r == 1)
 
     def tile_rows(self, num_index_heads: int, dot: str) -> int:
-        """Tokens of a query tile a tiled workgroup scores together: as many (token, head) pairs as
-        the tensor cores' m16n8k16 has columns (8), or for the lane-wise dot max_row_heads."""
-        return max(1, (8 if dot == "mma" else self.max_row_heads) // num_index_heads)
+        """Tokens of a query tile a tiled workgroup scores together: tile_row_heads_mma (token,
+        head) pairs on tensor cores, max_row_heads lane-wise."""
+        return max(1, (self.tile_row_heads_mma if dot == "mma" else self.max_row_heads) // num_index_heads)
 
     def blocks_per_split(self, columns: int) -> int:
         """Blocks a split scores for a block table of `columns` columns (the template's rule)."""
