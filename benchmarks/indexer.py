@@ -100,21 +100,31 @@ def run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy_GBps, gen, dot
         def triton():
             triton_mod.minimax_m3_index_decode(q, cache, table, seq, ctx, 16, 0, 1, 1, L, L, out=tout)
 
-        triton()
-        cold, warm = anchor.cold_us(triton, flush), anchor.warm_us(triton)
-        for row in rows:
-            row["same"] = float((tout == row.pop("_out")).all(-1).float().mean())
-            row["triton_cold_us"], row["triton_warm_us"] = cold, warm
-            row["x_cold"] = cold / row["msa_cold_us"]
-            row["x_warm"] = warm / row["msa_warm_us"]
-    key_bytes = c * ctx * 128 * inputs[1].dtype.itemsize
+        add_anchor_columns(rows, triton, tout, flush)
+    add_bandwidth_columns(rows, c * ctx * 128 * inputs[1].dtype.itemsize, copy_GBps)
+    return rows
+
+
+def add_anchor_columns(rows, triton, tout, flush):
+    """Triton's cold and warm us (measured once), the ratios and `same` (the share of rows whose
+    top-k Triton's `tout` equals, after one call of `triton`) into each of msa-iree's rows."""
+    triton()
+    cold, warm = anchor.cold_us(triton, flush), anchor.warm_us(triton)
+    for row in rows:
+        row["same"] = float((tout == row["_out"]).all(-1).float().mean())
+        row["triton_cold_us"], row["triton_warm_us"] = cold, warm
+        row["x_cold"] = cold / row["msa_cold_us"]
+        row["x_warm"] = warm / row["msa_warm_us"]
+
+
+def add_bandwidth_columns(rows, key_bytes, copy_GBps):
+    """GB/s over `key_bytes` from each warm time, and that against the run's copy bandwidth."""
     for row in rows:
         row.pop("_out", None)
         for who in ("msa", "triton"):
             if f"{who}_warm_us" in row:
                 row[f"{who}_GBps"] = key_bytes / row[f"{who}_warm_us"] / 1e3
                 row[f"{who}_pct_copy"] = 100 * row[f"{who}_GBps"] / copy_GBps
-    return rows
 
 
 def measure_msa(lib, inputs, c, ctx, L, cache_dtype, flush, dot):
@@ -191,30 +201,23 @@ def run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy_GBps, ge
             score = triton_mod.minimax_m3_index_score(q, cache, table, cu, seq, prefix, nq, ctx, 1)
             triton_mod.minimax_m3_index_topk(score, cu, prefix, nq, 16, 0, 1, out=tout)
 
-        triton()
-        cold, warm = anchor.cold_us(triton, flush), anchor.warm_us(triton)
-        for row in rows:
-            row["same"] = float((tout == row["_out"]).all(-1).float().mean())
-            row["triton_cold_us"], row["triton_warm_us"] = cold, warm
-            row["x_cold"] = cold / row["msa_cold_us"]
-            row["x_warm"] = warm / row["msa_warm_us"]
-    key_bytes = ctx * 128 * cache.dtype.itemsize
-    for row in rows:
-        row.pop("_out")
-        for who in ("msa", "triton"):
-            if f"{who}_warm_us" in row:
-                row[f"{who}_GBps"] = key_bytes / row[f"{who}_warm_us"] / 1e3
-                row[f"{who}_pct_copy"] = 100 * row[f"{who}_GBps"] / copy_GBps
+        add_anchor_columns(rows, triton, tout, flush)
+    add_bandwidth_columns(rows, ctx * 128 * cache.dtype.itemsize, copy_GBps)
     return rows
+
+
+def against_triton(r, kind) -> str:
+    """A table cell "Triton / msa (x)" of `kind` ("cold" or "warm") us; "- / msa" without Triton."""
+    if f"triton_{kind}_us" not in r:
+        return f"- / {r[f'msa_{kind}_us']:.1f}"
+    return f"{r[f'triton_{kind}_us']:.1f} / {r[f'msa_{kind}_us']:.1f} ({r[f'x_{kind}']:.2f})"
 
 
 def prefill_table(rows) -> str:
     head = ("| cache | kernel | q | ctx | cold us Triton / msa (x) | warm us Triton / msa (x) | +table | same | ref |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        t = "triton_cold_us" in r
-        cold = f"{r['triton_cold_us']:.1f} / {r['msa_cold_us']:.1f} ({r['x_cold']:.2f})" if t else f"- / {r['msa_cold_us']:.1f}"
-        warm = f"{r['triton_warm_us']:.1f} / {r['msa_warm_us']:.1f} ({r['x_warm']:.2f})" if t else f"- / {r['msa_warm_us']:.1f}"
+        cold, warm = against_triton(r, "cold"), against_triton(r, "warm")
         kernel = f"{r['dot']}, " + (f"tiles of {r['rows']} a workgroup" if r["tiled"] else "one token a workgroup")
         kernel = f"**{kernel}**" if r["served"] else kernel
         lines.append(f"| {r['cache']} | {kernel} | {r['q']} | {r['ctx'] // 1024}K | {cold} | {warm} | "
@@ -227,10 +230,8 @@ def table(rows) -> str:
             "| Triton (% copy) | +table | same | ref |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        t = "triton_cold_us" in r
-        cold = f"{r['triton_cold_us']:.1f} / {r['msa_cold_us']:.1f} ({r['x_cold']:.2f})" if t else f"- / {r['msa_cold_us']:.1f}"
-        warm = f"{r['triton_warm_us']:.1f} / {r['msa_warm_us']:.1f} ({r['x_warm']:.2f})" if t else f"- / {r['msa_warm_us']:.1f}"
-        tri = f"{r['triton_GBps']:.0f} ({r['triton_pct_copy']:.0f}%)" if t else "-"
+        cold, warm = against_triton(r, "cold"), against_triton(r, "warm")
+        tri = f"{r['triton_GBps']:.0f} ({r['triton_pct_copy']:.0f}%)" if "triton_GBps" in r else "-"
         dot = f"**{r['dot']}**" if r["served"] else r["dot"]
         lines.append(f"| {r['cache']} | {dot} | {r['c']} | {r['ctx'] // 1024}K | {r['L']} | {cold} | {warm} | "
                      f"{r['msa_GBps']:.0f} ({r['msa_pct_copy']:.0f}%) | {tri} | {r['emit_over_topk']:.3f} | "

@@ -316,6 +316,8 @@ def test_the_gpu_indexer_refuses_what_it_cannot_build():
         K.IndexTopkGpuSpec(MsaConfig(num_heads=48, num_kv_heads=3))
     with pytest.raises(ValueError, match="kv_dtype: expected an index cache of bf16 or fp8_e4m3fn, got fp8_e4m3fnuz"):
         K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"))
+    with pytest.raises(ValueError, match="IndexerTuning.tile_row_heads_mma: expected 8, 16 or 32 .* got 24"):
+        IndexerTuning(tile_row_heads_mma=24)
     with pytest.raises(ValueError, match="IndexerTuning.key_loads: expected a divisor of 32"):
         K.IndexTopkGpuSpec(MsaConfig(), 16, 0, 1, IndexerTuning(key_loads=6))
     assert K.IndexTopkGpuSpec(MsaConfig(), 16, 0, 1, IndexerTuning(key_loads=4)).name != GPU_INDEXER[0].name

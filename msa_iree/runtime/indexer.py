@@ -95,8 +95,9 @@ class Indexer:
         step's in its query tiles (metadata.query_tiles)."""
         if not q.is_cuda:
             return None
-        if metadata.query_tiles is not None and self.specs.gpu_tiled(emit_table) is not None:
-            return self.specs.gpu_tiled(emit_table)
+        tiled = self.specs.gpu_tiled(emit_table)
+        if metadata.query_tiles is not None and tiled is not None:
+            return tiled
         rows = 1
         if metadata.prefill is None and metadata.decode is not None:
             rows = INDEXER.rows_for(metadata.decode.decode_query_len, self.cfg.num_kv_heads)

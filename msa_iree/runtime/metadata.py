@@ -162,13 +162,12 @@ class _StepLayout:
     The input buffer holds the step's inputs as given, [qsl | seq_lens | computed | block table |
     slots]; the derived buffer what the builder works out on the host, [page-16 block table |
     page-16 slots | slots | cu_seqlens_q | context_lens | query_req_id | query_abs_pos | query
-    tiles | every
-    token's request | every token's position | seq_lens | the prefills' seq_lens, block table
-    and page-16 block table | the portable insert's rows]. Each tensor a kernel reads starts on an
-    ALIGN-element (64-byte) boundary: the compiled kernels take their operands' addresses as
-    aligned (IREE's bindings are 16-byte aligned, and a kernel may load two neighbours at once);
-    so the seq_lens and the prefills' rows are host-written copies of their own, not views into
-    the packed inputs.
+    tiles | every token's request | every token's position | seq_lens | the prefills' seq_lens,
+    block table and page-16 block table | the portable insert's rows]. Each tensor a kernel
+    reads starts on an ALIGN-element (64-byte) boundary: the compiled kernels take their
+    operands' addresses as aligned (IREE's bindings are 16-byte aligned, and a kernel may load
+    two neighbours at once); so the seq_lens and the prefills' rows are host-written copies of
+    their own, not views into the packed inputs.
     """
 
     def __init__(self, builder, shape):
