@@ -39,7 +39,7 @@ from msa_iree.config import DTYPES
 from msa_iree.ops import IndexTopkGpuSpec, indexer_dot, indexer_set
 from msa_iree.ops.indexer import indexer_config
 from msa_iree.ops.indexer_gpu import QUERY_TILE
-from msa_iree.ops.tuning import INDEXER
+from msa_iree.ops.tuning import INDEXER, INDEXER_TILED
 from msa_iree.runtime import KernelLibrary
 
 from . import anchor
@@ -164,7 +164,7 @@ def run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy_GBps, ge
     q, cache, table, req, pos, tiles = prefill_case(nq, ctx, cache_dtype, device, gen)
     cfg = indexer_config(1, cache_dtype, "bf16")
     served = indexer_set(cfg, "cuda").gpu_tiled()
-    specs = [IndexTopkGpuSpec(cfg, rows=INDEXER.tile_rows(1, dot), tiled=True, dot=dot) for dot in dots]
+    specs = [IndexTopkGpuSpec(cfg, rows=INDEXER_TILED.tile_rows(1, dot), tiled=True, dot=dot) for dot in dots]
     specs.append(IndexTopkGpuSpec(cfg, dot=indexer_dot(cfg, "cuda", 1)))
     raw = (cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache).view(cache.shape[0], -1)
     sample, want = reference_rows(q, cache, table, req, pos, every=97)

@@ -23,7 +23,8 @@ GPU_INDEXER_CASES = [(1, "bf16", 0, 1), (2, "bf16", 1, 1), (4, "fp8_e4m3fn", 2, 
 GPU_INDEXER_ROW_CASES = [(1, "bf16", 4, False), (1, "fp8_e4m3fn", 3, True), (2, "bf16", 2, False),
                          (1, "fp8_e4m3fn", 4, False), (1, "bf16", 2, True)]
 # ... a step's tokens in query tiles (prefills): (index heads, cache dtype, rows, emit_table, dot)
-GPU_INDEXER_TILE_CASES = [(1, "bf16", 32, False, "mma"), (1, "fp8_e4m3fn", 32, True, "mma"), (2, "bf16", 16, True, "mma"),
+GPU_INDEXER_TILE_CASES = [(1, "bf16", 64, True, "mma"), (2, "fp8_e4m3fn", 32, False, "mma"), (4, "bf16", 16, False, "mma"),
+                          (1, "bf16", 32, False, "mma"), (1, "fp8_e4m3fn", 32, True, "mma"), (2, "bf16", 16, True, "mma"),
                           (4, "fp8_e4m3fn", 8, False, "mma"), (1, "bf16", 8, False, "mma"), (1, "bf16", 8, False, "fma"),
                           (1, "fp8_e4m3fn", 4, True, "fma"), (2, "bf16", 4, True, "fma"), (4, "fp8_e4m3fn", 2, False, "fma")]
 # ... each with both ways of taking @score's dot products on CUDA (IndexTopkGpuSpec.dot)
@@ -85,7 +86,7 @@ def gpu_test_specs():
               IndexTopkSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 1, 1)]
     from msa_iree.ops import IndexTopkGpuSpec, indexer_set  # the hand-written indexer (test_gpu's GPU indexer tests)
     from msa_iree.ops.indexer import indexer_config
-    from msa_iree.ops.tuning import INDEXER
+    from msa_iree.ops.tuning import INDEXER_TILED
     for dot in GPU_INDEXER_DOTS:
         for heads, kv, init, local in GPU_INDEXER_CASES:
             specs += [IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, init, local, emit_table=emit, dot=dot)
@@ -98,7 +99,7 @@ def gpu_test_specs():
         served = indexer_set(indexer_config(1, kv, "bf16"), "cuda")
         specs += served.specs()
         specs += [dataclasses.replace(s, dot=dot) for s in served.topk_gpu.values() for dot in GPU_INDEXER_DOTS]
-        specs += [dataclasses.replace(s, dot=dot, rows=INDEXER.tile_rows(1, dot)) for s in served.topk_gpu_tiled.values()
+        specs += [dataclasses.replace(s, dot=dot, rows=INDEXER_TILED.tile_rows(1, dot)) for s in served.topk_gpu_tiled.values()
                   for dot in GPU_INDEXER_DOTS]
     # and the decode attends' graph variants (what a forward captured in a CUDA graph launches)
     specs += [s.for_graph() for s in specs if hasattr(s, "for_graph")]

@@ -1167,11 +1167,11 @@ def test_the_gpu_indexer_scores_a_requests_decode_tokens_together(cuda_kernels, 
 
 @pytest.mark.parametrize("heads, cache_dtype, rows, emit, dot", gpu_cases.GPU_INDEXER_TILE_CASES)
 def test_the_gpu_indexer_scores_query_tiles_together(cuda_kernels, heads, cache_dtype, rows, emit, dot):
-    """tiled: a workgroup scores `rows` tokens of a query tile (32 consecutive tokens of one request
+    """tiled: a workgroup scores `rows` tokens of a query tile (64 consecutive tokens of one request
     from the tile's first) from each key load: ids and order (and with emit_table the attend's
     table) exactly the reference's for a decode token, chunks of 13 tokens across a block edge,
-    of 40 (a tile and 8), of 1 and of 70 at the end of a 1,000-block request, a request of no
-    tokens between them, init and local blocks forced; rows past the step untouched."""
+    of 72 (a tile and 8) across one, of 1 and of 70 at the end of a 1,000-block request, a request
+    of no tokens between them, init and local blocks forced; rows past the step untouched."""
     from msa_iree.ops import IndexTopkGpuSpec
     from msa_iree.ops.indexer_gpu import QUERY_TILE
 
@@ -1182,13 +1182,13 @@ def test_the_gpu_indexer_scores_query_tiles_together(cuda_kernels, heads, cache_
     table = torch.randint(0, cols + 100, (6, cols), generator=gen, dtype=torch.int32)
     attend_bt = torch.randint(0, 5000, (6, cols), generator=gen, dtype=torch.int32)
     # (request, first position, tokens)
-    chunks = [(0, 5 * 128, 1), (1, 120, 13), (2, 0, 0), (3, 7 * 128 + 3, 40), (4, 0, 1), (5, cols * 128 - 70, 70)]
+    chunks = [(0, 5 * 128, 1), (1, 120, 13), (2, 0, 0), (3, 7 * 128 + 60, 72), (4, 0, 1), (5, cols * 128 - 70, 70)]
     req = torch.tensor([r for r, _, n in chunks for _ in range(n)], dtype=torch.int32)
     pos = torch.tensor([p + i for _, p, n in chunks for i in range(n)], dtype=torch.int32)
-    starts = [0, 1, 14, 14, 54, 55]
+    starts = [0, 1, 14, 14, 86, 87]
     tiles = torch.tensor([s + t for s, (_, _, n) in zip(starts, chunks) for t in range(0, n, QUERY_TILE)],
                          dtype=torch.int32)
-    assert tiles.tolist() == [0, 1, 14, 46, 54, 55, 87, 119]
+    assert tiles.tolist() == [0, 1, 14, 78, 86, 87, 151]
     n = len(pos)
     q = torch.randn(n, heads, 128, generator=gen).to(torch.bfloat16)
     want = R.index_topk(q, cache, table, req, pos, init_blocks=1, local_blocks=1)

@@ -9,7 +9,7 @@ import pytest
 from msa_iree import compile as C
 from msa_iree import ops as K
 from msa_iree.config import MsaConfig
-from msa_iree.ops.tuning import ARRIVAL_COUNTERS, AttendTuning, IndexerTuning
+from msa_iree.ops.tuning import ARRIVAL_COUNTERS, INDEXER as INDEXER_DECODE, INDEXER_TILED, AttendTuning, IndexerTuning
 from msa_iree.inspect import kernel_report
 
 DECODE = [K.SparseAttnDecodeFmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16),
@@ -285,17 +285,33 @@ def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
     assert dots(MsaConfig(kv_dtype="fp8_e4m3fn"), "gfx942") == {(r, "fma") for r in (1, 2, 3, 4)}
     assert {dot for _, dot in dots(MsaConfig(query_dtype="fp16"), "cuda")} == {"fma"}
     assert GPU_INDEXER_MMA[0].name != GPU_INDEXER[0].name and ".mma1" in GPU_INDEXER_MMA[0].name
-    # query tiles: CUDA's tensor cores take 32 (token, head) pairs (4 groups of their 8 columns),
-    # the lane-wise dot 4 (gfx942); a tile of one token a workgroup is the untiled kernel
+    # query tiles: CUDA's tensor cores take 64 (token, head) pairs (two teams' 4 groups of their 8
+    # columns), the lane-wise dot 4 (gfx942); a tile of one token a workgroup is the untiled kernel
     tiled = {(h, kv, target): K.indexer_set(MsaConfig(num_heads=16 * h, num_kv_heads=h, kv_dtype=kv), target).gpu_tiled()
              for h in (1, 2, 4) for kv in ("bf16", "fp8_e4m3fn") for target in ("cuda", "gfx942")}
     assert {k: (s.rows, s.dot) for k, s in tiled.items() if s is not None} == {
-        **{(h, kv, "cuda"): (32 // h, "mma") for h in (1, 2, 4) for kv in ("bf16", "fp8_e4m3fn")},
+        **{(h, kv, "cuda"): (64 // h, "mma") for h in (1, 2, 4) for kv in ("bf16", "fp8_e4m3fn")},
         **{(h, kv, "gfx942"): (4 // h, "fma") for h in (1, 2) for kv in ("bf16", "fp8_e4m3fn")}}
     assert all(tiled[4, kv, "gfx942"] is None for kv in ("bf16", "fp8_e4m3fn"))
     served = K.indexer_set(MsaConfig(), "cuda")
     assert served.gpu_tiled(True).emit_table and served.gpu_tiled(True) in served.specs()
-    assert served.gpu_tiled().name.endswith(".mma1.t32") and served.gpu_tiled() in served.specs()
+    assert served.gpu_tiled().name.endswith(".b16s64.mma1cta2.t64") and served.gpu_tiled() in served.specs()
+    # a tiled launch takes the tiled row of the tuning table, an untiled one the decode row
+    assert served.gpu_tiled().tuning is INDEXER_TILED and served.gpu().tuning is INDEXER_DECODE
+    assert all(s.tuning is INDEXER_TILED for s in (tiled[1, "bf16", "gfx942"], tiled[1, "fp8_e4m3fn", "cuda"]))
+
+
+def test_the_indexer_asks_ptxas_for_workgroups_per_sm_on_tensor_cores_only():
+    """min_ctas_per_sm reaches @score as nvvm.minctasm for dot="mma" (CUDA), never on the
+    lane-wise dot (which gfx942 compiles too), and names the variant."""
+    mma = K.IndexTopkGpuSpec(MsaConfig(), rows=32, tiled=True, dot="mma")
+    fma = K.IndexTopkGpuSpec(MsaConfig(), rows=4, tiled=True, dot="fma")
+    assert mma.tuning.min_ctas_per_sm == 2 and fma.tuning.min_ctas_per_sm == 2
+    assert mma.render().count("nvvm.minctasm = 2 : i32") == 1 and "minctasm" not in fma.render()
+    none = dataclasses.replace(mma, tuning=dataclasses.replace(INDEXER_DECODE, min_ctas_per_sm=None))
+    assert "minctasm" not in none.render() and "cta" not in none.name.split(".")[-2]
+    with pytest.raises(ValueError, match="IndexerTuning.min_ctas_per_sm: expected None or 1..8 .* got 0"):
+        IndexerTuning(min_ctas_per_sm=0)
 
 
 def test_the_indexer_split_rule_covers_every_column_count():
@@ -316,7 +332,7 @@ def test_the_gpu_indexer_refuses_what_it_cannot_build():
         K.IndexTopkGpuSpec(MsaConfig(num_heads=48, num_kv_heads=3))
     with pytest.raises(ValueError, match="kv_dtype: expected an index cache of bf16 or fp8_e4m3fn, got fp8_e4m3fnuz"):
         K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"))
-    with pytest.raises(ValueError, match="IndexerTuning.tile_row_heads_mma: expected 8, 16 or 32 .* got 24"):
+    with pytest.raises(ValueError, match="IndexerTuning.tile_row_heads_mma: expected 8, 16, 32 or 64 .* got 24"):
         IndexerTuning(tile_row_heads_mma=24)
     with pytest.raises(ValueError, match="IndexerTuning.key_loads: expected a divisor of 32"):
         K.IndexTopkGpuSpec(MsaConfig(), 16, 0, 1, IndexerTuning(key_loads=6))
@@ -331,13 +347,13 @@ def test_the_gpu_indexer_refuses_what_it_cannot_build():
         K.IndexTopkGpuSpec(MsaConfig(num_heads=64, num_kv_heads=4), rows=3)
     with pytest.raises(ValueError, match="rows: expected 1..4 tokens a workgroup .* got 8 with 1"):
         K.IndexTopkGpuSpec(MsaConfig(), rows=8)
-    with pytest.raises(ValueError, match="rows: expected a divisor of the 32-token query tile with rows x index heads "
+    with pytest.raises(ValueError, match="rows: expected a divisor of the 64-token query tile with rows x index heads "
                                          "<= 8 for tiled=True and dot='fma', got 3 with 1 index heads"):
         K.IndexTopkGpuSpec(MsaConfig(), rows=3, tiled=True)
-    with pytest.raises(ValueError, match="rows: expected a divisor of the 32-token query tile .* got 8 with 2 index heads"):
+    with pytest.raises(ValueError, match="rows: expected a divisor of the 64-token query tile .* got 8 with 2 index heads"):
         K.IndexTopkGpuSpec(MsaConfig(num_heads=32, num_kv_heads=2), rows=8, tiled=True)
-    with pytest.raises(ValueError, match="<= 32 for tiled=True and dot='mma', got 32 with 2 index heads"):
-        K.IndexTopkGpuSpec(MsaConfig(num_heads=32, num_kv_heads=2), rows=32, tiled=True, dot="mma")
+    with pytest.raises(ValueError, match="<= 64 for tiled=True and dot='mma', got 64 with 2 index heads"):
+        K.IndexTopkGpuSpec(MsaConfig(num_heads=32, num_kv_heads=2), rows=64, tiled=True, dot="mma")
     assert K.IndexTopkGpuSpec(MsaConfig(), rows=8, tiled=True).name.endswith(".t8")
 
 

@@ -27,7 +27,7 @@ from .mma import SparseAttnDecodeMmaSpec, SparseAttnPagedMmaSpec, SparseAttnPref
 from .portable import (BuildDecodeTableSpec, BuildPrefillTableSpec, InsertKvSpec, RebaseBlockTableSpec,
                        RebaseSlotsSpec, SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 from .spec import KernelSpec, TemplateSpec
-from .tuning import INDEXER, INDEXER_DOT
+from .tuning import INDEXER, INDEXER_DOT, INDEXER_TILED
 
 PORTABLE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec, BuildDecodeTableSpec, BuildPrefillTableSpec,
                   SparseAttnDecodeSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec, InsertKvSpec, IndexTopkSpec,
@@ -149,7 +149,7 @@ def indexer_set(cfg: MsaConfig, target=None, init_blocks: int = 0, local_blocks:
     """The indexer's kernels for `cfg` (ops.indexer.indexer_config: index heads, index cache dtype)
     on `target`; init_blocks / local_blocks: MiniMax-M3's sparse_init_block / sparse_local_block;
     decode_query_lens: the decode steps' L, each scored in its own rows a workgroup; any other step
-    (prefills) in query tiles, as many of a tile's tokens a workgroup as tuning.INDEXER.tile_rows says."""
+    (prefills) in query tiles, as many of a tile's tokens a workgroup as tuning.INDEXER_TILED.tile_rows says."""
     gpu, tiled = {}, {}
     if target in IndexTopkGpuSpec.targets and IndexTopkGpuSpec.supports(cfg):
         for rows in sorted({1} | {INDEXER.rows_for(L, cfg.num_kv_heads) for L in decode_query_lens}):
@@ -157,7 +157,7 @@ def indexer_set(cfg: MsaConfig, target=None, init_blocks: int = 0, local_blocks:
                 gpu[rows, emit] = IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks, emit_table=emit, rows=rows,
                                                    dot=indexer_dot(cfg, target, rows))
         dot = indexer_dot(cfg, target, QUERY_TILE)
-        rows = INDEXER.tile_rows(cfg.num_kv_heads, dot)
+        rows = INDEXER_TILED.tile_rows(cfg.num_kv_heads, dot)
         if rows > 1:  # (one token a workgroup is the untiled kernel's)
             for emit in (False, True):
                 tiled[emit] = IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks, emit_table=emit, rows=rows,

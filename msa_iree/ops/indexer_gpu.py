@@ -16,12 +16,12 @@ import dataclasses
 
 from .indexer import check_index_cache_dtype
 from .spec import FP8_FORMAT, MLIR_ELEMENT, TemplateSpec, render_template
-from .tuning import INDEXER, IndexerTuning
+from .tuning import INDEXER, INDEXER_TILED, IndexerTuning
 
 MAX_COLUMNS = 128 * 64  # blocks per split (LDS of 128 scores) x splits (@merge: 8 teams of 8)
 # a tiled launch's tiles: this many consecutive tokens of one request (fewer at its end), each
 # tile's first token in a table the step's metadata builder makes (MsaMetadata.query_tiles)
-QUERY_TILE = 32
+QUERY_TILE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ class IndexTopkGpuSpec(TemplateSpec):
 
     init_blocks: int = 0
     local_blocks: int = 1
-    tuning: IndexerTuning = INDEXER
+    tuning: IndexerTuning | None = None   # None: tuning.INDEXER_TILED if tiled else tuning.INDEXER
     # also the attend's page table for the picks (@merge writes it): main then takes the attention
     # group's block table after abs_pos, and sparse_bt [>= T, H, 128], sparse_ctx [>= T, H] int32
     # between topk and the workspace
@@ -60,10 +60,13 @@ class IndexTopkGpuSpec(TemplateSpec):
     INDEX_HEADS = (1, 2, 4)      # a team of the 8 selects each head's top-16
     DOTS = {"fma": ("cuda", "gfx942"), "mma": ("cuda",)}   # the targets each dot compiles for
     # the most (token, head) columns a tiled workgroup scores: lane-wise, 8 (a register each);
-    # on tensor cores, 4 groups of an m16n8k16's 8 columns sharing each key fragment
-    TILE_ROW_HEADS = {"fma": 8, "mma": 32}
+    # on tensor cores, sets of 32 (4 groups of an m16n8k16's 8 columns sharing each key fragment),
+    # each of a block's sets its own team's
+    TILE_ROW_HEADS = {"fma": 8, "mma": 64}
 
     def __post_init__(self):
+        if self.tuning is None:
+            object.__setattr__(self, "tuning", INDEXER_TILED if self.tiled else INDEXER)
         check_index_cache_dtype(self.cfg)
         if self.cfg.num_kv_heads not in self.INDEX_HEADS:
             raise ValueError(f"num_kv_heads: expected index heads per rank in {self.INDEX_HEADS} for the GPU "
@@ -118,7 +121,7 @@ class IndexTopkGpuSpec(TemplateSpec):
     def _dot_knob(self) -> str:
         t, c = self.tuning, self.cfg
         if self.dot == "mma":
-            return f".mma{t.tiles_for(c.is_fp8)}"
+            return f".mma{t.tiles_for(c.is_fp8)}" + (f"cta{t.min_ctas_per_sm}" if t.min_ctas_per_sm else "")
         return f"u{t.loads_for(self.rows, c.num_kv_heads, c.is_fp8)}"
 
     def describe(self) -> dict:
@@ -133,7 +136,7 @@ class IndexTopkGpuSpec(TemplateSpec):
                                INIT=self.init_blocks, LOCAL=self.local_blocks, MIN_BPS=t.min_blocks_per_split,
                                MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
                                ROWS=self.rows, TILED=self.tiled, QUERY_TILE=QUERY_TILE, DOT=self.dot,
-                               TILES=t.tiles_for(c.is_fp8))
+                               TILES=t.tiles_for(c.is_fp8), MIN_CTAS=t.min_ctas_per_sm if self.dot == "mma" else None)
 
     def workspace_floats(self, num_tokens: int, columns: int) -> int:
         """32-bit words of the workspace for num_tokens tokens over `columns` block-table columns:

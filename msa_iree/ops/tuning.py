@@ -120,6 +120,10 @@ class IndexerTuning:
     # a tiled (prefill) workgroup on tensor cores: (token, head) pairs sharing each key fragment
     # (groups of the m16n8k16's 8 columns; decision record in benchmarks/PERF.md)
     tile_row_heads_mma: int = 32
+    # dot="mma" (CUDA): @score's workgroups per SM asked of ptxas (caps its registers at 65536 /
+    # (256 x this); None: ptxas's choice). 2: fp8 decode 4-17% faster than ptxas's 1 (decision
+    # record in benchmarks/PERF.md)
+    min_ctas_per_sm: int | None = 2
 
     def __post_init__(self):
         if not (1 <= self.max_splits <= 64 and 1 <= self.min_blocks_per_split <= 128):
@@ -129,9 +133,12 @@ class IndexerTuning:
         if self.mma_tiles not in (1, 2, 4, 8) or self.mma_tiles_fp8 not in (1, 2, 4, 8):
             raise ValueError(f"IndexerTuning.mma_tiles, mma_tiles_fp8: expected 1, 2, 4 or 8 (a divisor of a block's "
                              f"8 tiles of 16 positions), got {self.mma_tiles}, {self.mma_tiles_fp8}")
-        if self.tile_row_heads_mma not in (8, 16, 32):
-            raise ValueError(f"IndexerTuning.tile_row_heads_mma: expected 8, 16 or 32 (groups of an m16n8k16's 8 "
-                             f"columns, at most 4), got {self.tile_row_heads_mma}")
+        if self.tile_row_heads_mma not in (8, 16, 32, 64):
+            raise ValueError(f"IndexerTuning.tile_row_heads_mma: expected 8, 16, 32 or 64 (groups of an m16n8k16's "
+                             f"8 columns, at most 4 a team, at most 2 teams a block), got {self.tile_row_heads_mma}")
+        if self.min_ctas_per_sm is not None and not 1 <= self.min_ctas_per_sm <= 8:
+            raise ValueError(f"IndexerTuning.min_ctas_per_sm: expected None or 1..8 workgroups of 256 threads an SM, "
+                             f"got {self.min_ctas_per_sm}")
         if 32 % self.key_loads:
             raise ValueError(f"IndexerTuning.key_loads: expected a divisor of 32 (a team's loads a block, fp8), "
                              f"got {self.key_loads}")
@@ -164,6 +171,12 @@ class IndexerTuning:
 
 
 INDEXER = IndexerTuning()
+# a tiled (prefill) launch's row: splits of 16 blocks (a workgroup's entry loads, a chain of
+# dependent ones, shared by twice the blocks; @merge's teams read half the splits) and, on tensor
+# cores, 64 (token, head) columns, two teams on each block's keys; two workgroups an SM as the
+# decode row has it (ptxas at 128 registers with a few spilled: alone it takes 166; decision
+# record in benchmarks/PERF.md)
+INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_heads_mma=64)
 
 # how the GPU indexer's @score takes its dot products: (target, index cache dtype) -> (one token a
 # workgroup, a decode step's tokens of a request together); "mma" tensor cores (CUDA), "fma"
