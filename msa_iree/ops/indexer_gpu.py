@@ -136,7 +136,14 @@ class IndexTopkGpuSpec(TemplateSpec):
                                INIT=self.init_blocks, LOCAL=self.local_blocks, MIN_BPS=t.min_blocks_per_split,
                                MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
                                ROWS=self.rows, TILED=self.tiled, QUERY_TILE=QUERY_TILE, DOT=self.dot,
-                               TILES=t.tiles_for(c.is_fp8), MIN_CTAS=t.min_ctas_per_sm if self.dot == "mma" else None)
+                               TILES=t.tiles_for(c.is_fp8), MIN_CTAS=t.min_ctas_per_sm if self.dot == "mma" else None,
+                               NCS=self.column_sets)
+
+    @property
+    def column_sets(self) -> int:
+        """Teams scoring each block of @score: on tensor cores one a set of 32 (token, head) columns
+        (4 groups of the m16n8k16's 8), lane-wise 1."""
+        return -(-self.rows * self.cfg.num_kv_heads // 32) if self.dot == "mma" else 1
 
     def workspace_floats(self, num_tokens: int, columns: int) -> int:
         """32-bit words of the workspace for num_tokens tokens over `columns` block-table columns:

@@ -121,8 +121,7 @@ class IndexerTuning:
     # (groups of the m16n8k16's 8 columns; decision record in benchmarks/PERF.md)
     tile_row_heads_mma: int = 32
     # dot="mma" (CUDA): @score's workgroups per SM asked of ptxas (caps its registers at 65536 /
-    # (256 x this); None: ptxas's choice). 2: fp8 decode 4-17% faster than ptxas's 1 (decision
-    # record in benchmarks/PERF.md)
+    # (256 x this); None: ptxas's choice; decision record in benchmarks/PERF.md)
     min_ctas_per_sm: int | None = 2
 
     def __post_init__(self):
@@ -174,8 +173,8 @@ INDEXER = IndexerTuning()
 # a tiled (prefill) launch's row: splits of 16 blocks (a workgroup's entry loads, a chain of
 # dependent ones, shared by twice the blocks; @merge's teams read half the splits) and, on tensor
 # cores, 64 (token, head) columns, two teams on each block's keys; two workgroups an SM as the
-# decode row has it (ptxas at 128 registers with a few spilled: alone it takes 166; decision
-# record in benchmarks/PERF.md)
+# decode row has it (ptxas then fits the score in 128 registers, a few spilled; decision record
+# in benchmarks/PERF.md)
 INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_heads_mma=64)
 
 # how the GPU indexer's @score takes its dot products: (target, index cache dtype) -> (one token a
