@@ -169,10 +169,14 @@ class _RecordingDriver:
 
     def __init__(self):
         self.launched = []
+        self.allowed = []
         self.lib = self
 
     def load(self, ptx, names):
         return None, {name: ctypes.c_void_p(1000 + i) for i, name in enumerate(names)}
+
+    def allow_shared(self, fn, nbytes):
+        self.allowed.append((fn.value, nbytes))
 
     def cuLaunchKernelEx(self, config_ref, fn, args, extra):  # noqa: N802 - CUDA's name
         c = config_ref._obj
@@ -198,6 +202,43 @@ def _recorded_mma(build, dependent, spec=MMA):
                       driver, dependent_launch=dependent)
     driver.sk = sk
     return sk, driver
+
+
+def test_a_kernel_past_48_kib_of_shared_memory_opts_in(build, monkeypatch):
+    """CUDA launches a kernel with more than 48 KiB of dynamic shared memory only after
+    cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES): the launcher asks for exactly what it will
+    launch with, for the kernels that get shared memory, and for none at 48 KiB or less."""
+    from msa_iree.runtime import cuda_launch
+
+    out, kernels = build
+    entry = kernels[MMA.name]
+    vmfb, plan = (out / entry["file"]).read_bytes(), (out / entry["launch_plan"]["file"]).read_text()
+    driver = _RecordingDriver()
+    StreamKernel(MMA.name, vmfb, plan, driver)
+    assert driver.allowed == [] and 0 < shared_bytes(vmfb, (256, 1, 1)) <= 48 * 1024
+    monkeypatch.setattr(cuda_launch, "shared_bytes", lambda vmfb, block: 100 * 1024)
+    sk = StreamKernel(MMA.name, vmfb, plan, driver)
+    using = [n for n in sk.entries if sk.shared[n]]
+    assert using and driver.allowed == [(sk.functions[n].value, 100 * 1024) for n in using]
+
+    class Lib:  # libcuda's two calls allow_shared makes
+        def __init__(self, rc):
+            self.rc, self.calls = rc, []
+
+        def cuFuncSetAttribute(self, fn, attribute, value):  # noqa: N802 - CUDA's name
+            self.calls.append((fn.value, attribute, value.value))
+            return self.rc
+
+        def cuGetErrorName(self, rc, name):  # noqa: N802 - CUDA's name
+            return 0
+
+    real = object.__new__(cuda_launch.CudaDriver)
+    real.lib = Lib(0)
+    real.allow_shared(ctypes.c_void_p(7), 64 * 1024)
+    assert real.lib.calls == [(7, 8, 64 * 1024)]  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    real.lib = Lib(1)
+    with pytest.raises(RuntimeError, match="cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES"):
+        real.allow_shared(ctypes.c_void_p(7), 64 * 1024)
 
 
 def _mma_operands(tokens, seed):

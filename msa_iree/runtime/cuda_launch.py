@@ -145,7 +145,15 @@ class CudaDriver:
             functions[name] = fn
         return module, functions
 
+    def allow_shared(self, fn, nbytes: int):
+        """Let `fn` launch with `nbytes` of dynamic shared memory: past 48 KiB a kernel must opt in
+        (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
+        self.check(self.lib.cuFuncSetAttribute(fn, _MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(nbytes)),
+                   "cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES")
 
+
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute (cuda.h)
+SHARED_WITHOUT_OPT_IN = 48 * 1024   # dynamic shared memory any kernel may launch with
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
 
 
@@ -213,6 +221,9 @@ class StreamKernel(PlannedKernel):
         self.module, self.functions = self.driver.load(self.ptx.encode(), self.entries)
         uses_shared = entries_using_shared(text)
         self.shared = {n: shared_bytes(vmfb, e[0]) if n in uses_shared else 0 for n, e in self.entries.items()}
+        for n, nbytes in self.shared.items():
+            if nbytes > SHARED_WITHOUT_OPT_IN:
+                self.driver.allow_shared(self.functions[n], nbytes)
         self.plan = DispatchPlan(plan_text)
         self._launches = {}
 
