@@ -1165,19 +1165,22 @@ def test_the_gpu_indexer_scores_a_requests_decode_tokens_together(cuda_kernels, 
         assert torch.equal(outs[2].reshape(n * heads).cpu(), want_ctx)
 
 
+# block-table columns of the tiled launches: 7 splits of 16 blocks (@merge: one team a row, 8 rows
+# a workgroup, the row's picks its team's), 19 (2 teams of 16 splits a row, 4 rows), 63 (4 teams,
+# 2 rows)
+@pytest.mark.parametrize("cols", [100, 300, 1000])
 @pytest.mark.parametrize("heads, cache_dtype, rows, emit, dot", gpu_cases.GPU_INDEXER_TILE_CASES)
-def test_the_gpu_indexer_scores_query_tiles_together(cuda_kernels, heads, cache_dtype, rows, emit, dot):
+def test_the_gpu_indexer_scores_query_tiles_together(cuda_kernels, heads, cache_dtype, rows, emit, dot, cols):
     """tiled: a workgroup scores `rows` tokens of a query tile (64 consecutive tokens of one request
     from the tile's first) from each key load: ids and order (and with emit_table the attend's
     table) exactly the reference's for a decode token, chunks of 13 tokens across a block edge,
-    of 72 (a tile and 8) across one, of 1 and of 70 at the end of a 1,000-block request, a request
+    of 72 (a tile and 8) across one, of 1 and of 70 at the end of a `cols`-block request, a request
     of no tokens between them, init and local blocks forced; rows past the step untouched."""
     from msa_iree.ops import IndexTopkGpuSpec
     from msa_iree.ops.indexer_gpu import QUERY_TILE
 
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(1000 + 10 * rows + heads)
-    cols = 1000
+    gen = torch.Generator().manual_seed(1000 + 10 * rows + heads + cols)
     cache = torch.randn(cols + 100, 128, 128, generator=gen).to(DTYPES[cache_dtype])
     table = torch.randint(0, cols + 100, (6, cols), generator=gen, dtype=torch.int32)
     attend_bt = torch.randint(0, 5000, (6, cols), generator=gen, dtype=torch.int32)

@@ -295,7 +295,7 @@ def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
     assert all(tiled[4, kv, "gfx942"] is None for kv in ("bf16", "fp8_e4m3fn"))
     served = K.indexer_set(MsaConfig(), "cuda")
     assert served.gpu_tiled(True).emit_table and served.gpu_tiled(True) in served.specs()
-    assert served.gpu_tiled().name.endswith(".b16s64.mma1cta2.t64") and served.gpu_tiled() in served.specs()
+    assert served.gpu_tiled().name.endswith(".b16s64m8x16.mma1cta2.t64") and served.gpu_tiled() in served.specs()
     # a tiled launch takes the tiled row of the tuning table, an untiled one the decode row
     assert served.gpu_tiled().tuning is INDEXER_TILED and served.gpu().tuning is INDEXER_DECODE
     assert all(s.tuning is INDEXER_TILED for s in (tiled[1, "bf16", "gfx942"], tiled[1, "fp8_e4m3fn", "cuda"]))
@@ -312,6 +312,25 @@ def test_the_indexer_asks_ptxas_for_workgroups_per_sm_on_tensor_cores_only():
     assert "minctasm" not in none.render() and "cta" not in none.name.split(".")[-2]
     with pytest.raises(ValueError, match="IndexerTuning.min_ctas_per_sm: expected None or 1..8 .* got 0"):
         IndexerTuning(min_ctas_per_sm=0)
+
+
+def test_the_indexer_merges_several_rows_a_workgroup_in_tiled_launches_only():
+    """merge_rows reaches @merge as the fewest teams a row (8 / merge_rows) and
+    merge_splits_per_team as a team's splits: a tiled launch shares a workgroup's 8 teams between
+    up to 8 rows, 16 splits a team, and names both (m8x16); a decode launch keeps one row a
+    workgroup and 8 splits a team; the knobs refuse what 8 teams cannot split."""
+    tiled = K.IndexTopkGpuSpec(MsaConfig(), rows=64, tiled=True, dot="mma")
+    decode = K.IndexTopkGpuSpec(MsaConfig(), dot="mma")
+    assert (tiled.tuning.merge_rows, tiled.tuning.merge_splits_per_team) == (8, 16)
+    assert (decode.tuning.merge_rows, decode.tuning.merge_splits_per_team) == (1, 8)
+    t, d = tiled.render(), decode.render()
+    assert "%mr_least = arith.constant 1 : index" in t and "%mr_spt = arith.constant 16 : index" in t
+    assert "%mr_least = arith.constant 8 : index" in d and "%mr_spt = arith.constant 8 : index" in d
+    assert ".b16s64m8x16." in tiled.name and ".b8s64." in decode.name
+    with pytest.raises(ValueError, match="IndexerTuning.merge_rows: expected 1, 2, 4 or 8 .* got 3"):
+        IndexerTuning(merge_rows=3)
+    with pytest.raises(ValueError, match="IndexerTuning.merge_splits_per_team: expected 8 or 16 .* got 12"):
+        IndexerTuning(merge_splits_per_team=12)
 
 
 def test_the_indexer_split_rule_covers_every_column_count():

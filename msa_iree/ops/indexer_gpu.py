@@ -113,7 +113,9 @@ class IndexTopkGpuSpec(TemplateSpec):
     def variant(self):
         c, t = self.cfg, self.tuning
         return (f"h{c.num_kv_heads}.{c.kv_dtype}.q{c.query_dtype}.k{c.topk}.init{self.init_blocks}."
-                f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}{self._dot_knob}"
+                f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}"
+                + (f"m{t.merge_rows}" if t.merge_rows > 1 else "")
+                + (f"x{t.merge_splits_per_team}" if t.merge_splits_per_team != 8 else "") + self._dot_knob
                 + (f".t{self.rows}" if self.tiled else f".r{self.rows}" if self.rows > 1 else "")
                 + (".emit" if self.emit_table else ""))
 
@@ -137,7 +139,8 @@ class IndexTopkGpuSpec(TemplateSpec):
                                MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
                                ROWS=self.rows, TILED=self.tiled, QUERY_TILE=QUERY_TILE, DOT=self.dot,
                                TILES=t.tiles_for(c.is_fp8), MIN_CTAS=t.min_ctas_per_sm if self.dot == "mma" else None,
-                               NCS=self.column_sets)
+                               NCS=self.column_sets, MERGE_ROWS=t.merge_rows,
+                               MERGE_SPT=t.merge_splits_per_team)
 
     @property
     def column_sets(self) -> int:

@@ -123,6 +123,12 @@ class IndexerTuning:
     # dot="mma" (CUDA): @score's workgroups per SM asked of ptxas (caps its registers at 65536 /
     # (256 x this); None: ptxas's choice; decision record in benchmarks/PERF.md)
     min_ctas_per_sm: int | None = 2
+    # @merge: at most this many (token, head) rows a workgroup (1, 2, 4 or 8), its 8 teams split
+    # between them, ceil(splits / 8) teams a row rounded up to a power of 2 (decision record in
+    # benchmarks/PERF.md)
+    merge_rows: int = 1
+    # @merge: the splits' picks a team selects from (8: 4 entries a lane, 16: 8)
+    merge_splits_per_team: int = 8
 
     def __post_init__(self):
         if not (1 <= self.max_splits <= 64 and 1 <= self.min_blocks_per_split <= 128):
@@ -135,6 +141,12 @@ class IndexerTuning:
         if self.tile_row_heads_mma not in (8, 16, 32, 64):
             raise ValueError(f"IndexerTuning.tile_row_heads_mma: expected 8, 16, 32 or 64 (groups of an m16n8k16's "
                              f"8 columns, at most 4 a team, at most 2 teams a block), got {self.tile_row_heads_mma}")
+        if self.merge_rows not in (1, 2, 4, 8):
+            raise ValueError(f"IndexerTuning.merge_rows: expected 1, 2, 4 or 8 rows a workgroup of @merge's 8 teams, "
+                             f"got {self.merge_rows}")
+        if self.merge_splits_per_team not in (8, 16):
+            raise ValueError(f"IndexerTuning.merge_splits_per_team: expected 8 or 16 splits a team of @merge, "
+                             f"got {self.merge_splits_per_team}")
         if self.min_ctas_per_sm is not None and not 1 <= self.min_ctas_per_sm <= 8:
             raise ValueError(f"IndexerTuning.min_ctas_per_sm: expected None or 1..8 workgroups of 256 threads an SM, "
                              f"got {self.min_ctas_per_sm}")
@@ -173,9 +185,12 @@ INDEXER = IndexerTuning()
 # a tiled (prefill) launch's row: splits of 16 blocks (a workgroup's entry loads, a chain of
 # dependent ones, shared by twice the blocks; @merge's teams read half the splits) and, on tensor
 # cores, 64 (token, head) columns, two teams on each block's keys; two workgroups an SM as the
-# decode row has it (ptxas then fits the score in 128 registers, a few spilled; decision record
-# in benchmarks/PERF.md)
-INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_heads_mma=64)
+# decode row has it (ptxas then fits the score in 128 registers, a few spilled); @merge's teams
+# shared by up to 8 rows, as many as the splits leave, 16 splits a team (a prefill chunk has
+# thousands of rows, each of them a short selection; a decode step's few rows keep a workgroup
+# a row and 8 splits a team: decision record in benchmarks/PERF.md)
+INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_heads_mma=64, merge_rows=8,
+                                    merge_splits_per_team=16)
 
 # how the GPU indexer's @score takes its dot products: (target, index cache dtype) -> (one token a
 # workgroup, a decode step's tokens of a request together); "mma" tensor cores (CUDA), "fma"
