@@ -124,8 +124,8 @@ class IndexerTuning:
     # (256 x this); None: ptxas's choice; decision record in benchmarks/PERF.md)
     min_ctas_per_sm: int | None = 2
     # @merge: at most this many (token, head) rows a workgroup (1, 2, 4 or 8), its 8 teams split
-    # between them, ceil(splits / 8) teams a row rounded up to a power of 2 (decision record in
-    # benchmarks/PERF.md)
+    # between them, ceil(splits / merge_splits_per_team) teams a row rounded up to a power of 2
+    # (decision record in benchmarks/PERF.md)
     merge_rows: int = 1
     # @merge: the splits' picks a team selects from (8: 4 entries a lane, 16: 8)
     merge_splits_per_team: int = 8
