@@ -49,7 +49,10 @@ def _apply_vllm_options(args):
         args.num_heads = 16 if args.num_heads is None else args.num_heads
         args.num_kv_heads = 1 if args.num_kv_heads is None else args.num_kv_heads
         args.layouts = args.layouts or ["interleaved", "planes"]
+        args.index_query_dtype = args.index_query_dtype or args.query_dtype
         return
+    # vLLM's MiniMax-M3 writes its index queries in the index cache's dtype
+    args.index_query_dtype = args.index_query_dtype or args.index_cache_dtype or args.query_dtype
     if args.tensor_parallel_size is None:
         raise UsageError(f"--{vllm_given[0].replace('_', '-')}: expected with --tensor-parallel-size (a vLLM "
                          "configuration), got it alone")
@@ -85,6 +88,9 @@ def _check_compile_options(args):
         raise UsageError(f"--decode-query-lens: expected decode query lengths in 1..8, got {bad or 'none'}")
 
 
+INDEX_QUERY_DTYPES = ("bf16", "fp16", "fp8_e4m3fn")
+
+
 def _indexer_specs(args, cfg, target) -> list:
     """The indexer's kernels --index-cache-dtype asks for (none without it), one index head per KV
     head a rank: the index-cache insert, the scores and top-k (portable, and on a GPU target the
@@ -95,10 +101,19 @@ def _indexer_specs(args, cfg, target) -> list:
     from .ops.indexer import indexer_config
 
     try:
-        cfg = indexer_config(cfg.num_kv_heads, args.index_cache_dtype, cfg.query_dtype)
-        return indexer_set(cfg, target, args.index_init_blocks, args.index_local_blocks, args.decode_query_lens).specs()
+        indexer_config(cfg.num_kv_heads, args.index_cache_dtype, cfg.query_dtype)  # the cache's dtype first
+        if args.index_query_dtype not in INDEX_QUERY_DTYPES:
+            raise ValueError(f"index_query_dtype: expected one of {', '.join(INDEX_QUERY_DTYPES)}, "
+                             f"got {args.index_query_dtype!r}")
+        fp8_queries = args.index_query_dtype == "fp8_e4m3fn"
+        # the index keys (the insert's input) come in the model's dtype: the attend's queries'
+        cfg = indexer_config(cfg.num_kv_heads, args.index_cache_dtype,
+                             cfg.query_dtype if fp8_queries else args.index_query_dtype)
+        return indexer_set(cfg, target, args.index_init_blocks, args.index_local_blocks, args.decode_query_lens,
+                           fp8_queries=fp8_queries).specs()
     except ValueError as e:
-        raise UsageError(f"--index-cache-dtype / --index-init-blocks / --index-local-blocks: {e}") from None
+        raise UsageError(f"--index-cache-dtype / --index-query-dtype / --index-init-blocks / --index-local-blocks: "
+                         f"{e}") from None
 
 
 def cmd_compile(args):
@@ -212,6 +227,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--index-cache-dtype", default=None,
                    help="also build the indexer's scores and top-k (the portable kernel) for an index cache of "
                         "bf16 or fp8_e4m3fn (vLLM's indexer_kv_dtype; MI300X serves bf16); default: none")
+    c.add_argument("--index-query-dtype", default=None,
+                   help="the index queries' dtype: bf16, fp16, or fp8_e4m3fn (an fp8_e4m3fn index cache's, "
+                        "cast with no scale); default: --query-dtype, for a vLLM configuration the index "
+                        "cache's dtype (vLLM's model casts its index queries to it)")
     c.add_argument("--index-init-blocks", type=int, default=0, help="the indexer's forced first blocks "
                    "(MiniMax-M3's sparse_init_block, default 0)")
     c.add_argument("--index-local-blocks", type=int, default=1, help="the indexer's forced last blocks "

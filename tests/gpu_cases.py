@@ -29,6 +29,9 @@ GPU_INDEXER_TILE_CASES = [(1, "bf16", 64, True, "mma"), (2, "fp8_e4m3fn", 32, Fa
                           (1, "fp8_e4m3fn", 4, True, "fma"), (2, "bf16", 4, True, "fma"), (4, "fp8_e4m3fn", 2, False, "fma")]
 # ... each with both ways of taking @score's dot products on CUDA (IndexTopkGpuSpec.dot)
 GPU_INDEXER_DOTS = ("fma", "mma")
+# e4m3fn index queries against an e4m3fn cache (fp8_queries): (index heads, rows, tiled, emit_table, dot)
+GPU_INDEXER_FP8_QUERY_CASES = [(1, 1, False, False, "fma"), (1, 1, False, True, "mma"), (2, 2, False, False, "mma"),
+                               (1, 4, False, True, "fma"), (1, 64, True, True, "mma"), (2, 4, True, False, "fma")]
 
 GPU_SERVING_CASES = (
     ("bf16", "bf16", "interleaved", 1, "tensor"),
@@ -95,6 +98,11 @@ def gpu_test_specs():
             specs.append(IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, 0, 1, emit_table=emit, rows=L, dot=dot))
     specs += [IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, 1, 1, emit_table=emit, rows=rows, tiled=True, dot=dot)
               for heads, kv, rows, emit, dot in GPU_INDEXER_TILE_CASES]
+    specs += [IndexTopkGpuSpec(indexer_config(heads, "fp8_e4m3fn", "bf16"), 16, 1, 1, emit_table=emit, rows=rows,
+                               tiled=tiled, dot=dot, fp8_queries=True)
+              for heads, rows, tiled, emit, dot in GPU_INDEXER_FP8_QUERY_CASES]
+    # runtime.Indexer's for an e4m3fn cache's e4m3fn queries (what the vLLM plugin serves it with)
+    specs += indexer_set(indexer_config(1, "fp8_e4m3fn", "bf16"), "cuda", fp8_queries=True).specs()
     for kv in ("bf16", "fp8_e4m3fn"):  # runtime.Indexer's, and the benchmark's (both dots: its A/B)
         served = indexer_set(indexer_config(1, kv, "bf16"), "cuda")
         specs += served.specs()

@@ -187,5 +187,17 @@ def test_compile_adds_the_indexer_kernel_when_asked(monkeypatch, tmp_path):
         assert sorted((s.tiled, s.rows, s.emit_table) for s in indexer if isinstance(s, K.IndexTopkGpuSpec)) == \
             ([(False, 1, False), (False, 1, True), (False, 2, False), (False, 2, True), (True, 2, False),
               (True, 2, True)] if target == "gfx942" else [])
+        assert not any(s.fp8_queries for s in indexer if hasattr(s, "fp8_queries"))  # bf16 queries, as asked
     argv[2] = "host"
     assert main(argv + ["--index-cache-dtype", "fp16"]) == 2
+    # e4m3fn index queries: asked for, or a vLLM configuration's for its fp8 index cache (its
+    # model casts the index queries to the cache's dtype); the index keys stay the model's bf16
+    for extra in (["--index-query-dtype", "fp8_e4m3fn"],
+                  ["--tensor-parallel-size", "4", "--kv-cache-dtype", "fp8"]):
+        base = argv[:3] + ["--out", str(tmp_path)] if extra[0] == "--tensor-parallel-size" else argv
+        assert main(base + extra + ["--index-cache-dtype", "fp8_e4m3fn"]) == 0
+        topk = [s for s in seen["specs"] if isinstance(s, K.IndexTopkSpec)]
+        assert [s.fp8_queries for s in topk] == [True] and "qfp8_e4m3fn" in topk[0].name
+        assert [s.cfg.query_dtype for s in seen["specs"] if "insert_index" in s.name] == ["bf16"]
+    assert main(argv + ["--index-cache-dtype", "bf16", "--index-query-dtype", "fp8_e4m3fn"]) == 2
+    assert main(argv + ["--index-cache-dtype", "bf16", "--index-query-dtype", "fp32"]) == 2

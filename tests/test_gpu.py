@@ -1215,6 +1215,54 @@ def test_the_gpu_indexer_scores_query_tiles_together(cuda_kernels, heads, cache_
         assert outs[1][n:].eq(-7).all() and outs[2][n:].eq(-7).all()
 
 
+@pytest.mark.parametrize("heads, rows, tiled, emit, dot", gpu_cases.GPU_INDEXER_FP8_QUERY_CASES)
+def test_the_gpu_indexer_takes_fp8_queries(cuda_kernels, heads, rows, tiled, emit, dot):
+    """fp8_queries: e4m3fn index queries against an e4m3fn cache (what vLLM's model writes for it),
+    each converted exactly where the workgroup reads it: ids and order (and with emit_table the
+    attend's table) exactly the reference's, init and local blocks forced, for a step's decode
+    tokens `rows` a workgroup (a token past a block edge, a padded request, a request of 300
+    blocks) or its query tiles (tiled: chunks of 1, 13 across a block edge, 0 and 70 at the end)."""
+    from msa_iree.ops import IndexTopkGpuSpec
+    from msa_iree.ops.indexer_gpu import QUERY_TILE
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(2000 + 100 * rows + 10 * heads + tiled)
+    cols = 300
+    cache = torch.randn(cols + 100, 128, 128, generator=gen).to(torch.float8_e4m3fn)
+    table = torch.randint(0, cols + 100, (4, cols), generator=gen, dtype=torch.int32)
+    attend_bt = torch.randint(0, 5000, (4, cols), generator=gen, dtype=torch.int32)
+    if tiled:  # (request, first position, tokens)
+        chunks = [(0, 5 * 128, 1), (1, 120, 13), (2, 0, 0), (3, cols * 128 - 70, 70)]
+        starts = [sum(c[2] for c in chunks[:i]) for i in range(len(chunks))]
+        tiles = [torch.tensor([s + t for s, (_, _, n) in zip(starts, chunks) for t in range(0, n, QUERY_TILE)],
+                              dtype=torch.int32).to(dev)]
+    else:
+        seq = [128 + rows // 2 + 1, 0, 5 * 128, cols * 128 - 3]
+        chunks = [(r, s - rows if s else -1, rows) for r, s in enumerate(seq)]
+        tiles = []
+    req = torch.tensor([r for r, _, n in chunks for _ in range(n)], dtype=torch.int32)
+    pos = torch.tensor([p + i if p >= 0 else -1 for _, p, n in chunks for i in range(n)], dtype=torch.int32)
+    n = len(pos)
+    q = (2 * torch.randn(n, heads, 128, generator=gen)).to(torch.float8_e4m3fn)
+    want = R.index_topk(q, cache, table, req, pos, init_blocks=1, local_blocks=1)
+    spec = IndexTopkGpuSpec(indexer_config(heads, "fp8_e4m3fn", "bf16"), 16, 1, 1, rows=rows, tiled=tiled,
+                            emit_table=emit, dot=dot, fp8_queries=True)
+    topk = torch.full((heads, n + 3, 16), -7, dtype=torch.int32, device=dev)
+    outs = [topk]
+    if emit:
+        outs += [torch.full((n + 3, heads, 128), -7, dtype=torch.int32, device=dev),
+                 torch.full((n + 3, heads), -7, dtype=torch.int32, device=dev)]
+    ws = torch.empty(spec.workspace_floats(n, cols), device=dev)
+    cuda_kernels.run(spec, q.view(torch.uint8).to(dev), cache.view(torch.uint8).reshape(cache.shape[0], -1).to(dev),
+                     table.to(dev), req.to(dev), pos.to(dev), *tiles, *([attend_bt.to(dev)] if emit else []),
+                     out=[*outs, ws])
+    assert torch.equal(topk[:, :n].cpu(), want) and topk[:, n:].eq(-7).all()
+    if emit:
+        want_bt, want_ctx = R.build_sparse_block_table_prefill(want, attend_bt, req, pos, 16)
+        assert torch.equal(outs[1][:n].reshape(n * heads, -1).cpu(), want_bt)
+        assert torch.equal(outs[2][:n].reshape(n * heads).cpu(), want_ctx)
+
+
 @pytest.mark.parametrize("dot", gpu_cases.GPU_INDEXER_DOTS)
 def test_the_gpu_indexer_ranks_the_hand_made_request(cuda_kernels, dot):
     """Block 0 scores 1, blocks 1 and 2 tie at 3, block 3 holds a NaN, block 4 scores -5, the own
@@ -1300,3 +1348,13 @@ def test_the_indexer_serves_the_gpu_kernel_on_the_step_metadata(cuda_kernels):
     topk, sbt, sctx = indexer.topk_with_table(index_q.to(dev), cache.to(dev), md, kv_md)
     want_bt, want_ctx = R.build_sparse_block_table_prefill(want, kv_bt, req, pos, 16)
     assert torch.equal(topk.cpu(), want) and torch.equal(sbt.cpu(), want_bt) and torch.equal(sctx.cpu(), want_ctx)
+    # an e4m3fn cache with e4m3fn queries (the vLLM plugin's for an fp8 index cache), the same steps
+    fn = torch.float8_e4m3fn
+    indexer8, cache8, q8 = Indexer(1, fn, query_dtype=fn, kernels=cuda_kernels), cache.to(fn), index_q.to(fn)
+    assert indexer8._gpu_spec(md, q8.to(dev)).fp8_queries
+    topk, sbt, sctx = indexer8.topk_with_table(q8.to(dev), cache8.to(dev), md, kv_md)
+    want8 = R.index_topk(q8, cache8, index_bt, req, pos)
+    want_bt, want_ctx = R.build_sparse_block_table_prefill(want8, kv_bt, req, pos, 16)
+    assert torch.equal(topk.cpu(), want8) and torch.equal(sbt.cpu(), want_bt) and torch.equal(sctx.cpu(), want_ctx)
+    assert torch.equal(indexer8.topk(q8[:6].to(dev), cache8.to(dev), md2).cpu(),
+                       R.index_topk(q8[:6], cache8, index_bt, req2, pos2))

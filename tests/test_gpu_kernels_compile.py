@@ -150,7 +150,11 @@ GPU_INDEXER = [K.IndexTopkGpuSpec(MsaConfig(kv_dtype="bf16")),
                # query tiles (steps with prefills): 4 tokens a workgroup, and 2 of two index heads with the table
                K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 0, 1, rows=4, tiled=True),
                K.IndexTopkGpuSpec(MsaConfig(num_heads=32, num_kv_heads=2, kv_dtype="bf16"), 16, 1, 1, emit_table=True,
-                                  rows=2, tiled=True)]
+                                  rows=2, tiled=True),
+               # e4m3fn index queries (an e4m3fn cache's, as vLLM writes them)
+               K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 0, 1, rows=2, fp8_queries=True),
+               K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 1, 1, emit_table=True, rows=4, tiled=True,
+                                  fp8_queries=True)]
 
 
 # the tensor-core scoring (CUDA only)
@@ -250,12 +254,13 @@ def test_gfx942_indexer_isa(tmp_path):
         [f"%at{e}" for e in range(4)] + [f"%ati{e}" for e in range(4)])
 
 
-@pytest.mark.parametrize("spec", [GPU_INDEXER_MMA[0], GPU_INDEXER_MMA[3]], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [GPU_INDEXER_MMA[0], GPU_INDEXER_MMA[3], GPU_INDEXER_MMA[7]], ids=lambda s: s.name)
 def test_the_mma_indexer_ptx_scores_on_tensor_cores(tmp_path, spec):
     """dot="mma": @score's 8 k-steps a tile of 16 positions as bf16 m16n8k16, TILES tiles a loop
-    step, the keys in 16-byte loads; fp8 keys converted by cvt.rn.f16x2.e4m3x2 (sm_89) and moved
-    to bf16 without IREE's rounding emulation (whose NaN constant 0x7FC0 would show); no lane-wise
-    products (fma.rn.f32) left in the score."""
+    step, the keys in 16-byte loads; fp8 keys (and fp8_queries' queries: 8 conversions for each of
+    their 2 chunks of 16 bytes) converted by cvt.rn.f16x2.e4m3x2 (sm_89) and moved to bf16 without
+    IREE's rounding emulation (whose NaN constant 0x7FC0 would show); no lane-wise products
+    (fma.rn.f32) left in the score."""
     ptx, score = _entry_ptx(tmp_path, spec, "score")
     tiles = spec.tuning.tiles_for(spec.cfg.is_fp8)
     assert score.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * tiles
@@ -263,7 +268,8 @@ def test_the_mma_indexer_ptx_scores_on_tensor_cores(tmp_path, spec):
     assert score.count("ld.global.nc.v4") >= chunks * tiles
     assert "fma.rn.f32" not in score and "0x7FC0" not in score
     if spec.cfg.is_fp8:
-        assert ".target sm_89" in ptx and score.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 8 * tiles
+        queries = 2 * 8 if spec.fp8_queries else 0  # (one column group: rows x heads <= 8)
+        assert ".target sm_89" in ptx and score.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 8 * tiles + queries
     else:
         assert ".target sm_80" in ptx and "cvt.rn.f16x2.e4m3x2" not in score
 

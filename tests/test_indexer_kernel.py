@@ -64,12 +64,53 @@ def test_ties_go_to_the_smaller_block_and_nan_ranks_below_every_number(host_kern
     assert got[0, 0, :6].tolist() == [4, 1, 2, 0, 3, -1]
 
 
+def test_fp8_index_queries_score_as_their_e4m3fn_values(host_kernels):
+    """e4m3fn index queries (an e4m3fn cache's, as vLLM's model writes them) are cast as they are:
+    a hand-made request where the cast decides. index_q = (1, 1.06, 0, ...) is (1, 1.0625) in
+    bf16 but (1, 1) in e4m3fn (steps of 0.125 above 1); block 0's keys are (1, 0, ...), block 1's
+    (0, 1, ...), block 2 is the own block (forced local). In bf16 block 1 outscores block 0:
+    [2, 1, 0]; in e4m3fn they tie and the smaller id goes first: [2, 0, 1]."""
+    q = torch.zeros(1, 1, 128)
+    q[0, 0, :2] = torch.tensor([1.0, 1.06])
+    keys = torch.zeros(3, 128, 128)
+    keys[0, :, 0] = 1
+    keys[1, :, 1] = 1
+    cache = keys.to(FN)
+    args = (torch.arange(3, dtype=torch.int32)[None], torch.zeros(1, dtype=torch.int32),
+            torch.tensor([2 * 128 + 5], dtype=torch.int32))
+    cfg = MsaConfig(num_kv_heads=1, kv_dtype="fp8_e4m3fn")
+    bf16 = run(host_kernels, IndexTopkSpec(cfg, 16, 0, 1), q.to(BF16), cache, *args)
+    fp8 = host_kernels.run(IndexTopkSpec(cfg, 16, 0, 1, fp8_queries=True), q.to(FN).view(torch.uint8),
+                           cache.view(torch.uint8), *args, out_dtypes=[torch.int32])[0]
+    assert bf16[0, 0, :4].tolist() == [2, 1, 0, -1]
+    assert fp8[0, 0, :4].tolist() == [2, 0, 1, -1]
+    assert torch.equal(R.index_topk(q.to(FN), cache, *args), fp8)
+
+
+@pytest.mark.parametrize("heads, init", [(1, 0), (2, 1)])
+def test_the_compiled_top_k_of_fp8_queries_is_the_references(host_kernels, heads, init):
+    """Seeded e4m3fn queries against an e4m3fn cache (the rows of `case`: block edges, a padded
+    row, ties, a NaN key): ids and order exactly reference.index_topk's."""
+    gen = torch.Generator().manual_seed(40 + heads)
+    q, cache, table, req, pos = case(gen, heads, FN)
+    q = (4 * q.float()).to(FN)  # (e4m3fn's normal range, not only its subnormals)
+    spec = IndexTopkSpec(MsaConfig(num_kv_heads=heads, kv_dtype="fp8_e4m3fn"), 16, init, 1, fp8_queries=True)
+    (got,) = host_kernels.run(spec, q.view(torch.uint8), cache.view(torch.uint8), table, req, pos,
+                              out_dtypes=[torch.int32])
+    assert torch.equal(got, R.index_topk(q, cache, table, req, pos, init_blocks=init))
+
+
 def test_the_spec_refuses_what_it_cannot_build():
     with pytest.raises(ValueError, match="kv_dtype: expected an index cache of bf16 or fp8_e4m3fn, got fp16"):
         IndexTopkSpec(MsaConfig(kv_dtype="fp16", query_dtype="fp16"))
     with pytest.raises(ValueError, match="init_blocks, local_blocks: expected >= 0, got -1, 1"):
         IndexTopkSpec(MsaConfig(), 16, -1)
     assert IndexTopkSpec(MsaConfig(), 16, 1, 1).name != IndexTopkSpec(MsaConfig(), 16, 0, 1).name
+    with pytest.raises(ValueError, match="fp8_queries: expected an fp8_e4m3fn index cache for e4m3fn index "
+                                         "queries .*, got a bf16 cache"):
+        IndexTopkSpec(MsaConfig(), 16, 0, 1, fp8_queries=True)
+    fn = MsaConfig(kv_dtype="fp8_e4m3fn")
+    assert IndexTopkSpec(fn, 16, 0, 1, fp8_queries=True).name != IndexTopkSpec(fn, 16, 0, 1).name
 
 
 def test_a_whole_sparse_layer_runs_as_the_reference(host_kernels):
@@ -161,6 +202,42 @@ def test_the_indexer_refuses_bad_calls_by_name(host_kernels):
         indexer.topk(torch.zeros(1, 1, 128, dtype=BF16), cache, md, out=torch.zeros(1, 1, 8, dtype=torch.int32))
 
 
+def test_the_indexer_takes_fp8_queries_as_vllm_writes_them(host_kernels):
+    """runtime.Indexer for an e4m3fn index cache with e4m3fn index queries (vLLM's MiniMax-M3 casts
+    them to the cache's dtype) and bf16 index keys: the insert and the top-k of a chunked prefill
+    and a decode step as the reference; a bf16 query is refused by name."""
+    from msa_iree.runtime import Indexer, MetadataBuilder
+
+    gen = torch.Generator().manual_seed(91)
+    indexer = Indexer(1, FN, query_dtype=FN, kernels=host_kernels)
+    builder = MetadataBuilder(4, 512, num_cache_blocks=16, kernels=host_kernels)
+    index_bt = torch.tensor([[3, 7, 1, 9], [2, 5, 11, 4]], dtype=torch.int32)
+    cache, ref_cache = torch.zeros(16, 128, 128, dtype=FN), torch.zeros(16, 128, 128, dtype=FN)
+    computed = torch.tensor([0, 0], dtype=torch.int32)
+    for qlens, num_decodes in (([300, 129], 0), ([1, 1], 2)):
+        q_lens = torch.tensor(qlens, dtype=torch.int32)
+        qsl = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()])
+        seq = computed + q_lens
+        req = torch.repeat_interleave(torch.arange(2, dtype=torch.int32), q_lens)
+        pos = torch.cat([torch.arange(int(c), int(s)) for c, s in zip(computed, seq)]).int()
+        slots = (index_bt.long()[req.long(), pos.long() // 128] * 128 + pos.long() % 128).int()
+        md = builder.build(index_bt, seq, qsl, computed, 1, num_decodes, slot_mapping=slots)
+        n = int(qsl[-1])
+        index_k = torch.randn(n, 128, generator=gen).to(BF16)
+        index_q = (2 * torch.randn(n, 1, 128, generator=gen)).to(FN)
+        indexer.insert(index_k, cache, md)
+        R.insert_index_cache(index_k, ref_cache, slots)
+        assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+        assert torch.equal(indexer.topk(index_q, cache, md), R.index_topk(index_q, ref_cache, index_bt, req, pos))
+        computed = seq
+    with pytest.raises(ValueError, match="index_q: expected torch.float8_e4m3fn, got torch.bfloat16"):
+        indexer.topk(index_q.to(BF16), cache, md)
+    with pytest.raises(ValueError, match="fp8_queries: expected an fp8_e4m3fn index cache"):
+        Indexer(1, BF16, query_dtype=FN, kernels=host_kernels)
+    with pytest.raises(ValueError, match="query_dtype: expected one of .*float8_e4m3fn, got torch.float8_e4m3fnuz"):
+        Indexer(1, FN, query_dtype=torch.float8_e4m3fnuz, kernels=host_kernels)
+
+
 def test_a_missing_indexer_kernel_names_the_command_that_builds_it(tmp_path):
     """A build without the indexer (msa-iree compile without --index-cache-dtype): the indexer's
     call is an error naming the command that builds its kernels."""
@@ -177,3 +254,8 @@ def test_a_missing_indexer_kernel_names_the_command_that_builds_it(tmp_path):
                                                  r"--target host .*--index-cache-dtype fp8_e4m3fn --index-init-blocks 1 "
                                                  r"--index-local-blocks 1 --out "):
         indexer.topk(torch.zeros(1, 1, 128, dtype=BF16), torch.zeros(2, 128, 128, dtype=FN), md)
+    fp8_queries = Indexer(1, FN, query_dtype=FN, kernels=lib)
+    with pytest.raises(BuildMismatchError, match=r"index_topk\.h1\.fp8_e4m3fn\.qfp8_e4m3fn.* build it with `msa-iree "
+                                                 r"compile --target host .*--index-local-blocks 1 --index-query-dtype "
+                                                 r"fp8_e4m3fn --out "):
+        fp8_queries.topk(torch.zeros(1, 1, 128, dtype=FN), torch.zeros(2, 128, 128, dtype=FN), md)

@@ -137,32 +137,35 @@ class IndexerKernels:
         return [self.topk, self.insert, self.table, *self.topk_gpu.values(), *self.topk_gpu_tiled.values()]
 
 
-def indexer_dot(cfg: MsaConfig, target: str, rows: int = 1) -> str:
+def indexer_dot(cfg: MsaConfig, target: str, rows: int = 1, fp8_queries: bool = False) -> str:
     """The GPU indexer's dot products on `target` for `rows` tokens a workgroup (tuning.INDEXER_DOT;
-    "fma" for index queries the tensor cores' bf16 dot does not take)."""
+    "fma" for index queries the tensor cores' bf16 dot does not take: fp16; e4m3fn ones convert
+    to bf16 exactly)."""
     dot = INDEXER_DOT.get((target, cfg.kv_dtype), ("fma", "fma"))[rows > 1]
-    return dot if cfg.query_dtype == "bf16" else "fma"
+    return dot if cfg.query_dtype == "bf16" or fp8_queries else "fma"
 
 
 def indexer_set(cfg: MsaConfig, target=None, init_blocks: int = 0, local_blocks: int = 1,
-                decode_query_lens=(1, 2, 3, 4)) -> IndexerKernels:
-    """The indexer's kernels for `cfg` (ops.indexer.indexer_config: index heads, index cache dtype)
-    on `target`; init_blocks / local_blocks: MiniMax-M3's sparse_init_block / sparse_local_block;
-    decode_query_lens: the decode steps' L, each scored in its own rows a workgroup; any other step
-    (prefills) in query tiles, as many of a tile's tokens a workgroup as tuning.INDEXER_TILED.tile_rows says."""
-    gpu, tiled = {}, {}
+                decode_query_lens=(1, 2, 3, 4), fp8_queries: bool = False) -> IndexerKernels:
+    """The indexer's kernels for `cfg` (ops.indexer.indexer_config: index heads, index cache dtype,
+    index keys' dtype) on `target`; init_blocks / local_blocks: MiniMax-M3's sparse_init_block /
+    sparse_local_block; decode_query_lens: the decode steps' L, each scored in its own rows a
+    workgroup; any other step (prefills) in query tiles, as many of a tile's tokens a workgroup as
+    tuning.INDEXER_TILED.tile_rows says; fp8_queries: index queries in e4m3fn (an e4m3fn cache's,
+    as vLLM writes them), else in cfg.query_dtype."""
+    gpu, tiled, q8 = {}, {}, fp8_queries
     if target in IndexTopkGpuSpec.targets and IndexTopkGpuSpec.supports(cfg):
         for rows in sorted({1} | {INDEXER.rows_for(L, cfg.num_kv_heads) for L in decode_query_lens}):
             for emit in (False, True):
                 gpu[rows, emit] = IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks, emit_table=emit, rows=rows,
-                                                   dot=indexer_dot(cfg, target, rows))
-        dot = indexer_dot(cfg, target, QUERY_TILE)
+                                                   dot=indexer_dot(cfg, target, rows, q8), fp8_queries=q8)
+        dot = indexer_dot(cfg, target, QUERY_TILE, q8)
         rows = INDEXER_TILED.tile_rows(cfg.num_kv_heads, dot)
         if rows > 1:  # (one token a workgroup is the untiled kernel's)
             for emit in (False, True):
                 tiled[emit] = IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks, emit_table=emit, rows=rows,
-                                               tiled=True, dot=dot)
-    return IndexerKernels(IndexTopkSpec(cfg, 16, init_blocks, local_blocks), IndexCacheInsertSpec(cfg),
+                                               tiled=True, dot=dot, fp8_queries=q8)
+    return IndexerKernels(IndexTopkSpec(cfg, 16, init_blocks, local_blocks, q8), IndexCacheInsertSpec(cfg),
                           BuildPrefillTableSpec(cfg, 2 * PAGES_PER_BLOCK), gpu, tiled)
 
 

@@ -25,19 +25,31 @@ from .spec import ExportedSpec
 
 FORCED_INIT_SCORE, FORCED_LOCAL_SCORE, NAN_SCORE = 1e30, 1e29, -1e30  # as reference.index_topk
 INDEX_CACHE_DTYPES = ("bf16", "fp8_e4m3fn")
+# index queries in e4m3fn (`fp8_queries`): what vLLM's MiniMax-M3 writes for an fp8 index cache,
+# its queries cast to the cache's dtype
+FP8_QUERIES_CACHE = "fp8_e4m3fn"
 
 
 def indexer_config(num_index_heads: int, index_cache_dtype: str, query_dtype: str) -> MsaConfig:
     """The config the indexer's kernels are specialised on: num_kv_heads = index heads per rank (one
-    per KV head), kv_dtype = the index cache's dtype, query_dtype = the index queries' and keys'."""
+    per KV head), kv_dtype = the index cache's dtype, query_dtype = the index keys' (the insert's
+    input) and, unless the kernels take fp8_queries, the index queries'."""
     return MsaConfig(num_heads=16 * num_index_heads, num_kv_heads=num_index_heads, kv_dtype=index_cache_dtype,
                      query_dtype=query_dtype)
 
 
-def check_index_cache_dtype(cfg):
+def check_index_cache_dtype(cfg, fp8_queries: bool = False):
     """cfg.kv_dtype is the index cache's: refuse what the indexer kernels cannot read."""
     if cfg.kv_dtype not in INDEX_CACHE_DTYPES:
         raise ValueError(f"kv_dtype: expected an index cache of {' or '.join(INDEX_CACHE_DTYPES)}, got {cfg.kv_dtype}")
+    if fp8_queries and cfg.kv_dtype != FP8_QUERIES_CACHE:
+        raise ValueError(f"fp8_queries: expected an {FP8_QUERIES_CACHE} index cache for e4m3fn index queries (the "
+                         f"queries vLLM casts to its fp8 index cache's dtype), got a {cfg.kv_dtype} cache")
+
+
+def index_q_dtype(cfg, fp8_queries: bool) -> str:
+    """The index queries' dtype name: e4m3fn for fp8_queries, else cfg.query_dtype."""
+    return FP8_QUERIES_CACHE if fp8_queries else cfg.query_dtype
 
 
 def example_index_cache(cfg):
@@ -96,8 +108,9 @@ class IndexTopk(torch.nn.Module):
         self.spec = spec
 
     def forward(self, index_q, index_cache, index_block_table, req_id, abs_pos):
-        """index_q [T, H, 128] bf16/fp16; index_cache [N, 128, 128] bf16 (or fp8 bytes);
-        index_block_table [R, C] int32; req_id, abs_pos [T] int32 -> topk [H, T, 16] int32."""
+        """index_q [T, H, 128] bf16/fp16 (fp8_queries: e4m3fn bytes); index_cache [N, 128, 128]
+        bf16 (or fp8 bytes); index_block_table [R, C] int32; req_id, abs_pos [T] int32 -> topk
+        [H, T, 16] int32."""
         s = self.spec
         table = index_block_table.to(torch.int64)
         cols = torch.arange(table.shape[1])
@@ -106,7 +119,8 @@ class IndexTopk(torch.nn.Module):
         keys = index_cache[blocks]                                                        # [T, C, 128, 128]
         keys = decode_fp8(keys, s.cfg.kv_torch_dtype) if s.cfg.kv_torch_dtype in FP8_DTYPES else keys.float()
         pos = abs_pos.to(torch.int64)
-        scores = block_scores(index_q.float(), keys, pos)
+        q = decode_fp8(index_q, torch.float8_e4m3fn) if s.fp8_queries else index_q.float()
+        scores = block_scores(q, keys, pos)
         scores, candidates = forced(scores, pos, s.init_blocks, s.local_blocks)
         return top_blocks(scores, candidates, s.cfg.topk)
 
@@ -116,22 +130,25 @@ class IndexTopkSpec(ExportedSpec):
     """The indexer's scores and top-k for rows given by request and position (cfg: num_kv_heads =
     index heads per rank, kv_dtype = the index cache's dtype, bf16 or fp8_e4m3fn; query_dtype =
     the index queries'); init_blocks / local_blocks: MiniMax-M3's sparse_init_block /
-    sparse_local_block."""
+    sparse_local_block; fp8_queries: the index queries in e4m3fn instead (as bytes, the cache's
+    storage; an e4m3fn index cache only), cast as they are: no scale."""
 
     init_blocks: int = 0
     local_blocks: int = 1
+    fp8_queries: bool = False
 
     kernel = "index_topk"
 
     def __post_init__(self):
-        check_index_cache_dtype(self.cfg)
+        check_index_cache_dtype(self.cfg, self.fp8_queries)
         if self.init_blocks < 0 or self.local_blocks < 0:
             raise ValueError(f"init_blocks, local_blocks: expected >= 0, got {self.init_blocks}, {self.local_blocks}")
 
     @property
     def variant(self):
         c = self.cfg
-        return f"h{c.num_kv_heads}.{c.kv_dtype}.q{c.query_dtype}.k{c.topk}.init{self.init_blocks}.local{self.local_blocks}"
+        return (f"h{c.num_kv_heads}.{c.kv_dtype}.q{index_q_dtype(c, self.fp8_queries)}.k{c.topk}.init{self.init_blocks}."
+                f"local{self.local_blocks}")
 
     def module(self):
         return IndexTopk(self)
@@ -139,7 +156,8 @@ class IndexTopkSpec(ExportedSpec):
     def example_args(self):
         c = self.cfg
         z = torch.zeros(3, dtype=torch.int32)
-        return (torch.zeros(3, c.num_kv_heads, HEAD_DIM, dtype=c.query_torch_dtype), example_index_cache(c)[0],
+        q_dtype = torch.uint8 if self.fp8_queries else c.query_torch_dtype
+        return (torch.zeros(3, c.num_kv_heads, HEAD_DIM, dtype=q_dtype), example_index_cache(c)[0],
                 torch.zeros(2, 4, dtype=torch.int32), z, z.clone())
 
     def dynamic_shapes(self):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .indexer import check_index_cache_dtype
+from .indexer import check_index_cache_dtype, index_q_dtype
 from .spec import FP8_FORMAT, MLIR_ELEMENT, TemplateSpec, render_template
 from .tuning import INDEXER, INDEXER_TILED, IndexerTuning
 
@@ -26,9 +26,9 @@ QUERY_TILE = 64
 
 @dataclasses.dataclass(frozen=True)
 class IndexTopkGpuSpec(TemplateSpec):
-    """Operands as the portable IndexTopkSpec's (index_q [T, H, 128], the index cache as [blocks,
-    16384] storage elements, index_block_table [R, C], req_id / abs_pos [T]; tiled: then tiles
-    [tiles] int32, each tile's first token), then the output topk
+    """Operands as the portable IndexTopkSpec's (index_q [T, H, 128], fp8_queries: as bytes; the
+    index cache as [blocks, 16384] storage elements, index_block_table [R, C], req_id / abs_pos
+    [T]; tiled: then tiles [tiles] int32, each tile's first token), then the output topk
     [H, >= T, 16] int32 (rows < T written) and a workspace (workspace_floats) as the results'
     storage: the call allocates nothing. cfg as IndexTopkSpec's (num_kv_heads: index heads)."""
 
@@ -47,6 +47,10 @@ class IndexTopkGpuSpec(TemplateSpec):
     # (tiles [tiles] int32, MsaMetadata.query_tiles) follows abs_pos, QUERY_TILE / rows
     # workgroups a tile
     tiled: bool = False
+    # the index queries in e4m3fn (i8 bytes; an e4m3fn index cache only), each converted exactly
+    # (to bf16 for "mma", f32 for "fma") as the workgroup reads them: vLLM's model writes its
+    # index queries in its fp8 index cache's dtype
+    fp8_queries: bool = False
     # @score's dot products: "fma" (lane-wise products, shuffle sums over a position's lanes; CUDA
     # and gfx942) or "mma" (CUDA tensor cores: a warp's 16 positions x 128 dims against the rows'
     # and heads' queries as one m16n8k16 bf16 chain, fp8 keys converted exactly to bf16 first, as
@@ -67,7 +71,7 @@ class IndexTopkGpuSpec(TemplateSpec):
     def __post_init__(self):
         if self.tuning is None:
             object.__setattr__(self, "tuning", INDEXER_TILED if self.tiled else INDEXER)
-        check_index_cache_dtype(self.cfg)
+        check_index_cache_dtype(self.cfg, self.fp8_queries)
         if self.cfg.num_kv_heads not in self.INDEX_HEADS:
             raise ValueError(f"num_kv_heads: expected index heads per rank in {self.INDEX_HEADS} for the GPU "
                              f"indexer, got {self.cfg.num_kv_heads}")
@@ -77,7 +81,7 @@ class IndexTopkGpuSpec(TemplateSpec):
             raise ValueError(f"init_blocks, local_blocks: expected >= 0, got {self.init_blocks}, {self.local_blocks}")
         if self.dot not in self.DOTS:
             raise ValueError(f"dot: expected one of {sorted(self.DOTS)}, got {self.dot!r}")
-        if self.dot == "mma" and self.cfg.query_dtype != "bf16":
+        if self.dot == "mma" and self.cfg.query_dtype != "bf16" and not self.fp8_queries:
             raise ValueError(f"query_dtype: expected bf16 index queries for dot='mma' (a bf16 tensor-core dot), "
                              f"got {self.cfg.query_dtype}")
         if self.tiled:
@@ -112,7 +116,7 @@ class IndexTopkGpuSpec(TemplateSpec):
     @property
     def variant(self):
         c, t = self.cfg, self.tuning
-        return (f"h{c.num_kv_heads}.{c.kv_dtype}.q{c.query_dtype}.k{c.topk}.init{self.init_blocks}."
+        return (f"h{c.num_kv_heads}.{c.kv_dtype}.q{index_q_dtype(c, self.fp8_queries)}.k{c.topk}.init{self.init_blocks}."
                 f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}"
                 + (f"m{t.merge_rows}" if t.merge_rows > 1 else "")
                 + (f"x{t.merge_splits_per_team}" if t.merge_splits_per_team != 8 else "") + self._dot_knob
@@ -129,11 +133,13 @@ class IndexTopkGpuSpec(TemplateSpec):
     def describe(self) -> dict:
         return {**super().describe(), "init_blocks": self.init_blocks, "local_blocks": self.local_blocks,
                 "emit_table": self.emit_table, "rows": self.rows, "tiled": self.tiled, "dot": self.dot,
+                "fp8_queries": self.fp8_queries,
                 "tuning": dataclasses.asdict(self.tuning)}
 
     def render(self) -> str:
         c, t = self.cfg, self.tuning
-        return render_template(self.template, H=c.num_kv_heads, QT=MLIR_ELEMENT[c.query_dtype],
+        return render_template(self.template, H=c.num_kv_heads, QT=MLIR_ELEMENT[index_q_dtype(c, self.fp8_queries)],
+                               FP8Q=self.fp8_queries,
                                KT=MLIR_ELEMENT[c.kv_dtype], FP8=FP8_FORMAT.get(c.kv_dtype), AMDCVT=False,
                                INIT=self.init_blocks, LOCAL=self.local_blocks, MIN_BPS=t.min_blocks_per_split,
                                MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,

@@ -29,18 +29,32 @@ from .library import KernelLibrary
 from .metadata import MsaMetadata
 
 
+# index_q's dtypes: 16-bit, or e4m3fn (an e4m3fn index cache's, as vLLM's model casts them)
+QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
 class Indexer:
     """num_index_heads: index heads per rank (one per KV head); index_cache_dtype: bf16 or
-    float8_e4m3fn; init_blocks, local_blocks: MiniMax-M3's sparse_init_block, sparse_local_block."""
+    float8_e4m3fn; init_blocks, local_blocks: MiniMax-M3's sparse_init_block, sparse_local_block;
+    query_dtype: index_q's, bf16, fp16 or float8_e4m3fn (an e4m3fn cache's queries as vLLM's
+    model writes them: cast to the cache's dtype, no scale); key_dtype: index_k's (the insert's),
+    16-bit (default: query_dtype where that is 16-bit, else bf16)."""
 
     def __init__(self, num_index_heads: int, index_cache_dtype, *, init_blocks: int = 0, local_blocks: int = 1,
-                 target: str = "host", build_dir=None, kernels=None, query_dtype=torch.bfloat16):
+                 target: str = "host", build_dir=None, kernels=None, query_dtype=torch.bfloat16, key_dtype=None):
         cache_name = index_cache_dtype if isinstance(index_cache_dtype, str) else dtype_name(index_cache_dtype)
-        self.cfg = indexer_config(num_index_heads, cache_name, dtype_name(query_dtype))
+        if query_dtype not in QUERY_DTYPES:
+            raise ValueError(f"query_dtype: expected one of {', '.join(map(str, QUERY_DTYPES))}, got {query_dtype}")
+        self.fp8_queries = query_dtype == torch.float8_e4m3fn
+        if key_dtype is None:
+            key_dtype = torch.bfloat16 if self.fp8_queries else query_dtype
+        self.query_dtype = query_dtype
+        self.cfg = indexer_config(num_index_heads, cache_name, dtype_name(key_dtype))
         self.kernels = kernels or KernelLibrary(target, build_dir)
         # (the specs refuse what they cannot build); the attend's page table for a top-k goes
         # through the attention group's block table (page-16 rebase: both K/V sides in one block)
-        self.specs = indexer_set(self.cfg, self.kernels.target, init_blocks, local_blocks)
+        self.specs = indexer_set(self.cfg, self.kernels.target, init_blocks, local_blocks,
+                                 fp8_queries=self.fp8_queries)
 
     def _check_cache(self, index_cache, metadata):
         checks.check_dtype("index_cache", index_cache, self.cfg.kv_torch_dtype)
@@ -70,7 +84,7 @@ class Indexer:
     def topk(self, index_q, index_cache, metadata: MsaMetadata, out=None) -> torch.Tensor:
         """topk [H, tokens, 16] int32 (what SparseAttention.forward takes): each token's
         highest-scoring blocks of its request, as reference.index_topk; index_q [>= tokens, H,
-        128] 16-bit. out: where it is written, [H, >= tokens, 16] int32 contiguous (rows past the
+        128] in query_dtype. out: where it is written, [H, >= tokens, 16] int32 contiguous (rows past the
         step's tokens untouched; a captured step's stable buffer), returned whole (the portable
         kernel's result is copied into it)."""
         q, raw = self._checked_q(index_q, index_cache, metadata)
@@ -109,12 +123,12 @@ class Indexer:
         """(the step's rows of index_q, the cache's storage view) after every per-call check."""
         raw = self._check_cache(index_cache, metadata)
         checks.check_shape("index_q", index_q, (None, self.cfg.num_kv_heads, HEAD_DIM))
-        checks.check_dtype("index_q", index_q, self.cfg.query_torch_dtype)
+        checks.check_dtype("index_q", index_q, self.query_dtype)
         n = metadata.num_actual_tokens
         if index_q.shape[0] < n:
             raise ValueError(f"index_q: expected at least num_actual_tokens={n} rows, got {index_q.shape[0]}")
         metadata.check_cache_blocks(index_cache.shape[0], "index_cache")
-        return index_q[:n], raw
+        return index_q[:n].view(storage_dtype(index_q.dtype)), raw
 
     @staticmethod
     def _output_buffer(name, given, shape, device):

@@ -86,7 +86,9 @@ def build_command(spec: KernelSpec, target: str, out=None) -> str:
     attend = spec.name in {s.name for s in kernel_set(c, decode_query_lens=lens, target=target)}
     index_cfg = indexer_config(c.num_kv_heads, c.kv_dtype, c.query_dtype)
     forced = (getattr(spec, "init_blocks", 0), getattr(spec, "local_blocks", 1))
-    index = not attend and spec.name in {s.name for s in indexer_set(index_cfg, target, *forced).specs()}
+    fp8_queries = getattr(spec, "fp8_queries", False)
+    index = not attend and spec.name in {s.name for s in indexer_set(index_cfg, target, *forced,
+                                                                      fp8_queries=fp8_queries).specs()}
     if not attend and not index:
         return (f"msa_iree.compile.build(None, [{target!r}], {str(out or 'build')!r}, specs=[spec]) for this spec "
                 "(no `msa-iree compile` kernel set holds it)")
@@ -95,6 +97,8 @@ def build_command(spec: KernelSpec, target: str, out=None) -> str:
            f"--kv-dtype {kv} --query-dtype {c.query_dtype}"]
     if index:
         cmd.append(f"--index-cache-dtype {c.kv_dtype} --index-init-blocks {forced[0]} --index-local-blocks {forced[1]}")
+        if fp8_queries:
+            cmd.append("--index-query-dtype fp8_e4m3fn")
     if c.decode_query_len not in (1, 2, 3, 4):
         cmd.append(f"--decode-query-lens 1,2,3,4,{c.decode_query_len}")
     if out is not None:

@@ -130,8 +130,10 @@ class MsaIreeIndexerImpl(_indexer.MiniMaxM3IndexerImpl):
             reason = f"{self.num_index_heads} index heads but {self.num_kv_heads} KV heads a rank"
         if reason is not None:
             raise ValueError(f"MiniMax-M3 msa-iree indexer: {reason}")
-        self.indexer = Indexer(self.num_index_heads, INDEX_CACHE_DTYPES[self.indexer_kv_dtype],
-                               init_blocks=self.init_blocks, local_blocks=self.local_blocks,
+        # vLLM's model writes the index queries in the index cache's dtype (e4m3fn for an fp8 cache)
+        cache_dtype = INDEX_CACHE_DTYPES[self.indexer_kv_dtype]
+        self.indexer = Indexer(self.num_index_heads, cache_dtype, init_blocks=self.init_blocks,
+                               local_blocks=self.local_blocks, query_dtype=cache_dtype,
                                kernels=backend.kernel_library())
         self.sparse_bt_buffer: torch.Tensor | None = None   # [tokens * H, 128], set by vLLM's wrapper
         self.sparse_ctx_buffer: torch.Tensor | None = None  # [tokens * H]
@@ -142,9 +144,11 @@ class MsaIreeIndexerImpl(_indexer.MiniMaxM3IndexerImpl):
                          "(attention_config.minimax_m3_indexer_cp), got it enabled")
 
     def forward(self, index_query, *, decode_page16_block_table=None, prefill_page16_block_table=None):
-        """(decode_topk, prefill_topk): views of the shared top-k buffer [H, tokens, 16], decode rows
-        first (None where the step has none); the table into the layer's buffers. The page-16 block
-        tables vLLM passes are not needed: the table is built through the attention group's plan."""
+        """index_query [>= tokens, H * 128] in the index cache's dtype (bf16, or e4m3fn for an fp8
+        cache, as vLLM's model writes it) -> (decode_topk, prefill_topk): views of the shared top-k
+        buffer [H, tokens, 16], decode rows first (None where the step has none); the table into
+        the layer's buffers. The page-16 block tables vLLM passes are not needed: the table is
+        built through the attention group's plan."""
         attn_metadata = get_forward_context().attn_metadata
         if not isinstance(attn_metadata, dict):
             return None, None  # a profiling run: caches unbound

@@ -32,11 +32,14 @@ TOL = 1.7e-2  # tests/tolerances.py: vLLM's own bound for its sparse attend
 @pytest.fixture(scope="session")
 def build_dir(tmp_path_factory):
     """The host kernels the tests serve with, built by the documented command (a vLLM TP4 fp8
-    configuration with its bf16 indexer, and the e4m3fn and two-KV-head sets the other cases use)."""
+    configuration with its bf16 indexer, and with an fp8 one, and the e4m3fn and two-KV-head sets
+    the other cases use)."""
     out = tmp_path_factory.mktemp("msa-iree-host")
     cmd = [sys.executable, "-m", "msa_iree", "compile", "--target", "host", "--out", str(out)]
     for extra in (["--tensor-parallel-size", "4", "--kv-cache-dtype", "fp8", "--num-speculative-tokens", "3",
                    "--index-cache-dtype", "bf16"],
+                  ["--tensor-parallel-size", "4", "--kv-cache-dtype", "fp8", "--num-speculative-tokens", "3",
+                   "--index-cache-dtype", "fp8_e4m3fn"],
                   ["--num-heads", "16", "--num-kv-heads", "1", "--kv-dtype", "fp8_e4m3fn", "--decode-query-lens", "1",
                    "--layouts", "interleaved"],
                   ["--num-heads", "32", "--num-kv-heads", "2", "--kv-dtype", "bf16", "--decode-query-lens", "1,4"]):
@@ -432,25 +435,28 @@ def test_the_plugin_selects_its_indexer_where_it_serves_the_layer(plugin, tp4):
             assert select_indexer() is None
 
 
-def make_indexer(plugin, topk_rows=256, tables_rows=256):
+def make_indexer(plugin, topk_rows=256, tables_rows=256, indexer_kv_dtype="bf16"):
     from msa_iree.vllm import indexer
 
     topk = torch.full((1, topk_rows, 16), -7, dtype=torch.int32)
     impl = indexer.MsaIreeIndexerImpl(num_kv_heads=1, scale=1.0, topk_blocks=16, sparse_block_size=128,
                                       num_index_heads=1, index_head_dim=128, prefix="model.layers.3.self_attn.attn",
-                                      init_blocks=0, local_blocks=1, indexer_kv_dtype="bf16", topk_indices_buffer=topk)
+                                      init_blocks=0, local_blocks=1, indexer_kv_dtype=indexer_kv_dtype,
+                                      topk_indices_buffer=topk)
     # what vLLM's MSA indexer wrapper assigns after constructing the impl
     impl.sparse_bt_buffer = torch.full((tables_rows, 128), -7, dtype=torch.int32)
     impl.sparse_ctx_buffer = torch.full((tables_rows,), -7, dtype=torch.int32)
     return impl
 
 
-@pytest.mark.parametrize("name", ["decode", "spec-decode", "mixed"])
-def test_the_indexer_selects_and_emits_the_attends_table_as_the_reference(plugin, tp4, name):
+@pytest.mark.parametrize("name, indexer_kv_dtype", [("decode", "bf16"), ("spec-decode", "bf16"), ("mixed", "bf16"),
+                                                    ("mixed", "fp8")])
+def test_the_indexer_selects_and_emits_the_attends_table_as_the_reference(plugin, tp4, name, indexer_kv_dtype):
     """A step through vLLM's interface: the index group's and the attention group's metadata (their
     own block tables) from the plugin's builders in a forward context, the indexer's forward as
     vLLM's MSA indexer wrapper calls it: the shared top-k buffer and the layer's table buffers
-    hold reference.index_topk's top-k and the attend's table for it, rows past the step untouched."""
+    hold reference.index_topk's top-k and the attend's table for it, rows past the step untouched.
+    An fp8 index cache gets its index queries in e4m3fn, as vLLM's model writes them."""
     from vllm.config import set_current_vllm_config
 
     from msa_iree.vllm import indexer
@@ -462,15 +468,17 @@ def test_the_indexer_selects_and_emits_the_attends_table_as_the_reference(plugin
                           index_slots * cm.num_actual_tokens)
     config = indexer_vllm_config()
     with set_current_vllm_config(config):
-        impl = make_indexer(plugin)
+        impl = make_indexer(plugin, indexer_kv_dtype=indexer_kv_dtype)
         index_md = indexer.MsaIreeIndexerMetadataBuilder(SPEC, [impl.index_cache.prefix], config,
                                                          torch.device("cpu")).build(0, icm)
     attend_md = plugin.MsaIreeMetadataBuilder(SPEC, ["model.layers.3.self_attn.attn"], vllm_config(),
                                               torch.device("cpu")).build(0, cm)
     g = torch.Generator().manual_seed(len(name))
-    impl.index_cache.kv_cache = torch.randn(12, 128, 128, generator=g).to(BF16)
+    dtype = {"bf16": BF16, "fp8": FN}[indexer_kv_dtype]
+    assert impl.index_cache.dtype == dtype  # (vLLM's index cache)
+    impl.index_cache.kv_cache = torch.randn(12, 128, 128, generator=g).to(dtype)
     n = index_md.num_actual_tokens
-    index_query = torch.randn(n, 128, generator=g).to(BF16)
+    index_query = (2 * torch.randn(n, 128, generator=g)).to(dtype)
     context = ForwardContext(no_compile_layers={}, slot_mapping={},
                              attn_metadata={"model.layers.3.self_attn.attn": attend_md,
                                             impl.index_cache.prefix: index_md})
