@@ -88,9 +88,6 @@ def _check_compile_options(args):
         raise UsageError(f"--decode-query-lens: expected decode query lengths in 1..8, got {bad or 'none'}")
 
 
-INDEX_QUERY_DTYPES = ("bf16", "fp16", "fp8_e4m3fn")
-
-
 def _indexer_specs(args, cfg, target) -> list:
     """The indexer's kernels --index-cache-dtype asks for (none without it), one index head per KV
     head a rank: the index-cache insert, the scores and top-k (portable, and on a GPU target the
@@ -98,7 +95,7 @@ def _indexer_specs(args, cfg, target) -> list:
     if args.index_cache_dtype is None:
         return []
     from .ops import indexer_set
-    from .ops.indexer import indexer_config
+    from .ops.indexer import INDEX_QUERY_DTYPES, indexer_config
 
     try:
         indexer_config(cfg.num_kv_heads, args.index_cache_dtype, cfg.query_dtype)  # the cache's dtype first

@@ -27,6 +27,17 @@ def case(gen, index_heads, cache_dtype, cols=16, blocks=64):
     return q, cache, table, req, torch.tensor(POSITIONS, dtype=torch.int32)
 
 
+def step_rows(computed, qlens):
+    """A step of len(qlens) requests, qlens[r] new tokens after computed[r]: (query_start_loc,
+    seq_lens, every token's request and position) int32."""
+    q_lens = torch.tensor(qlens, dtype=torch.int32)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()])
+    seq = computed + q_lens
+    req = torch.repeat_interleave(torch.arange(len(qlens), dtype=torch.int32), q_lens)
+    pos = torch.cat([torch.arange(int(c), int(s)) for c, s in zip(computed, seq)]).int()
+    return qsl, seq, req, pos
+
+
 def run(lib, spec, q, cache, table, req, pos):
     raw = cache.view(torch.uint8) if cache.dtype == FN else cache  # fp8 caches travel as bytes
     (got,) = lib.run(spec, q, raw, table, req, pos, out_dtypes=[torch.int32])
@@ -136,11 +147,7 @@ def test_a_whole_sparse_layer_runs_as_the_reference(host_kernels):
     kv_builder, index_builder = (MetadataBuilder(4, 512, num_cache_blocks=16, kernels=host_kernels) for _ in range(2))
     computed = torch.tensor([0, 0], dtype=torch.int32)
     for qlens, num_decodes in (([200, 130], 0), ([1, 1], 2)):
-        q_lens = torch.tensor(qlens, dtype=torch.int32)
-        qsl = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()])
-        seq = computed + q_lens
-        req = torch.repeat_interleave(torch.arange(2, dtype=torch.int32), q_lens)
-        pos = torch.cat([torch.arange(int(c), int(s)) for c, s in zip(computed, seq)]).int()
+        qsl, seq, req, pos = step_rows(computed, qlens)
         slots = lambda bt: (bt.long()[req.long(), pos.long() // 128] * 128 + pos.long() % 128).int()
         kv_md = kv_builder.build(kv_bt, seq, qsl, computed, 1, num_decodes, slot_mapping=slots(kv_bt))
         index_md = index_builder.build(index_bt, seq, qsl, computed, 1, num_decodes, slot_mapping=slots(index_bt))
@@ -215,11 +222,7 @@ def test_the_indexer_takes_fp8_queries_as_vllm_writes_them(host_kernels):
     cache, ref_cache = torch.zeros(16, 128, 128, dtype=FN), torch.zeros(16, 128, 128, dtype=FN)
     computed = torch.tensor([0, 0], dtype=torch.int32)
     for qlens, num_decodes in (([300, 129], 0), ([1, 1], 2)):
-        q_lens = torch.tensor(qlens, dtype=torch.int32)
-        qsl = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()])
-        seq = computed + q_lens
-        req = torch.repeat_interleave(torch.arange(2, dtype=torch.int32), q_lens)
-        pos = torch.cat([torch.arange(int(c), int(s)) for c, s in zip(computed, seq)]).int()
+        qsl, seq, req, pos = step_rows(computed, qlens)
         slots = (index_bt.long()[req.long(), pos.long() // 128] * 128 + pos.long() % 128).int()
         md = builder.build(index_bt, seq, qsl, computed, 1, num_decodes, slot_mapping=slots)
         n = int(qsl[-1])

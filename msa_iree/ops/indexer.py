@@ -28,6 +28,8 @@ INDEX_CACHE_DTYPES = ("bf16", "fp8_e4m3fn")
 # index queries in e4m3fn (`fp8_queries`): what vLLM's MiniMax-M3 writes for an fp8 index cache,
 # its queries cast to the cache's dtype
 FP8_QUERIES_CACHE = "fp8_e4m3fn"
+# the index queries' dtypes: 16-bit (cfg.query_dtype), or e4m3fn (fp8_queries)
+INDEX_QUERY_DTYPES = ("bf16", "fp16", FP8_QUERIES_CACHE)
 
 
 def indexer_config(num_index_heads: int, index_cache_dtype: str, query_dtype: str) -> MsaConfig:

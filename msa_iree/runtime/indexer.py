@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from .. import checks
-from ..config import dtype_name
+from ..config import DTYPES, dtype_name
 from ..layout import BLOCK_SIZE, HEAD_DIM, PAGES_PER_BLOCK
 from ..ops import indexer_set
 from ..ops.fp8 import storage_dtype
-from ..ops.indexer import indexer_config
+from ..ops.indexer import INDEX_QUERY_DTYPES, indexer_config
 from ..ops.indexer_gpu import MAX_COLUMNS
 from ..ops.tuning import INDEXER
 from .kv_insert import drop_padding
@@ -30,7 +30,7 @@ from .metadata import MsaMetadata
 
 
 # index_q's dtypes: 16-bit, or e4m3fn (an e4m3fn index cache's, as vLLM's model casts them)
-QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+QUERY_DTYPES = tuple(DTYPES[name] for name in INDEX_QUERY_DTYPES)
 
 
 class Indexer:
