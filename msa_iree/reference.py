@@ -319,7 +319,9 @@ def insert_index_cache(index_k, index_cache, slot_mapping):
     """Write each token's index key into the key-only index cache in place.
 
     index_k [N, 128] bf16/fp8; index_cache [blocks, 128, 128] (bf16 or fp8 e4m3fn), written at
-    (slot // 128, slot % 128), cast to the cache's dtype with no scale; slot < 0 is skipped.
+    (slot // 128, slot % 128), cast to the cache's dtype with no scale (an fp8 cache saturated
+    to its finite range as the KV insert's: torch's own cast does not saturate in every version);
+    slot < 0 is skipped.
     """
     checks.check_shape("index_k", index_k, (None, HEAD_DIM))
     checks.check_shape("index_cache", index_cache, (None, BLOCK_SIZE, HEAD_DIM))
@@ -327,7 +329,10 @@ def insert_index_cache(index_k, index_cache, slot_mapping):
     keep = slot_mapping >= 0
     checks.check_ids_in_range("slot_mapping", slot_mapping[keep], index_cache.shape[0] * BLOCK_SIZE)
     slots = slot_mapping[keep].long()
-    index_cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = index_k[keep].to(index_cache.dtype)
+    keys = index_k[keep]
+    if is_fp8(index_cache.dtype) and not is_fp8(keys.dtype):
+        keys = quantize_fp8(keys, 1.0, index_cache.dtype)
+    index_cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = keys.to(index_cache.dtype)
 
 
 def index_block_scores(index_q, index_cache, index_block_table, req_id, abs_pos):

@@ -170,7 +170,7 @@ def test_compile_adds_the_indexer_kernel_when_asked(monkeypatch, tmp_path):
     argv = ["compile", "--target", "host", "--num-kv-heads", "2", "--num-heads", "32", "--out", str(tmp_path)]
     assert main(argv) == 0 and seen["specs"] is None
     for target, kinds in (("host", [K.IndexTopkSpec, K.IndexCacheInsertSpec, K.BuildPrefillTableSpec]),
-                          ("gfx942", [K.IndexTopkSpec, K.IndexCacheInsertSpec, K.BuildPrefillTableSpec]
+                          ("gfx942", [K.IndexTopkSpec, K.IndexCacheInsertGpuSpec, K.BuildPrefillTableSpec]
                            + [K.IndexTopkGpuSpec] * 6)):
         argv[2] = target
         assert main(argv + ["--index-cache-dtype", "fp8_e4m3fn", "--index-init-blocks", "1"]) == 0

@@ -1301,6 +1301,56 @@ def test_the_gpu_indexer_over_long_contexts_is_the_reference(cuda_kernels, cols,
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("cache_dtype", ["bf16", "fp8_e4m3fn"])
+def test_the_gpu_index_insert_is_the_reference(cuda_kernels, cache_dtype):
+    """runtime.Indexer.insert on CUDA (the hand-written insert, ops/insert_gpu.py): a mixed step's
+    bf16 index keys (two decode tokens, a chunk of 130 across a block edge; padding slots < 0 at
+    the step's end, as a captured step passes them) at the index group's slots exactly as
+    reference.insert_index_cache (e4m3fn: keys of up to +-300, two past its 448, two subnormal,
+    rounded to nearest even and saturated),
+    nothing else touched; then the same insert captured in a CUDA graph and replayed with new
+    keys (the padding skipped in the kernel: no host sync)."""
+    from msa_iree.runtime import Indexer, MetadataBuilder
+
+    dev = torch.device("cuda")
+    dtype = DTYPES[cache_dtype]
+    gen = torch.Generator().manual_seed(17 + len(cache_dtype))
+    index_bt = torch.tensor([[3, 7, 1, 9, 0], [2, 5, 11, 4, 6], [8, 10, 12, 13, 14]], dtype=torch.int32)
+    q_lens = torch.tensor([1, 1, 130], dtype=torch.int32)
+    computed = torch.tensor([300, 511, 200], dtype=torch.int32)
+    seq = computed + q_lens
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()])
+    req = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), q_lens)
+    pos = torch.cat([torch.arange(int(c), int(s)) for c, s in zip(computed, seq)]).int()
+    n, padded = int(qsl[-1]), int(qsl[-1]) + 6
+    slots = torch.full((padded,), -1, dtype=torch.int32)
+    slots[:n] = index_bt[req.long(), pos.long() // 128] * 128 + pos % 128
+    md = MetadataBuilder(4, 1024, num_cache_blocks=16, kernels=cuda_kernels, device=dev).build(
+        index_bt.to(dev), seq.to(dev), qsl.to(dev), computed.to(dev), 1, 2, slot_mapping=slots.to(dev),
+        num_actual_tokens=n)
+    indexer = Indexer(1, dtype, kernels=cuda_kernels)
+    assert indexer.specs.insert.name.startswith("insert_index_gpu")
+    cache = torch.randn(16, 128, 128, generator=gen).to(dtype)
+    ref = cache.clone()
+    keys = [torch.cat([600 * torch.rand(n, 128, generator=gen) - 300, torch.randn(6, 128, generator=gen)]).to(torch.bfloat16)
+            for _ in range(2)]
+    keys[0][:2, :4] = torch.tensor([600.0, -600.0, 1e-3, -2.5e-3])  # past e4m3fn's 448, and its subnormals
+    on_dev = cache.to(dev)
+    indexer.insert(keys[0].to(dev), on_dev, md)
+    R.insert_index_cache(keys[0][:n], ref, slots[:n])
+    assert torch.equal(on_dev.cpu().view(torch.uint8), ref.view(torch.uint8))
+    # captured: the step's fixed-size insert in a graph, replayed over new keys
+    key_buf = keys[0].to(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        indexer.insert(key_buf, on_dev, md)
+    key_buf.copy_(keys[1].to(dev))
+    graph.replay()
+    torch.cuda.synchronize()
+    R.insert_index_cache(keys[1][:n], ref, slots[:n])
+    assert torch.equal(on_dev.cpu().view(torch.uint8), ref.view(torch.uint8))
+
+
 def test_the_indexer_serves_the_gpu_kernel_on_the_step_metadata(cuda_kernels):
     """runtime.Indexer on CUDA: the step's metadata (index group) into the hand-written kernel,
     launched on torch's stream into the caller's buffer (rows past the step untouched) or its own;

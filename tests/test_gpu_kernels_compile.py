@@ -157,15 +157,20 @@ GPU_INDEXER = [K.IndexTopkGpuSpec(MsaConfig(kv_dtype="bf16")),
                                   fp8_queries=True)]
 
 
+# the index-cache insert (bf16 and e4m3fn caches from bf16 keys)
+INDEX_INSERT = [K.IndexCacheInsertGpuSpec(MsaConfig(kv_dtype=kv)) for kv in ("bf16", "fp8_e4m3fn")]
+
+
 # the tensor-core scoring (CUDA only)
 GPU_INDEXER_MMA = [dataclasses.replace(s, dot="mma") for s in GPU_INDEXER]
 
 
-@pytest.mark.parametrize("spec", DECODE + INSERT + PAGED_CUDA + INDEXER + GPU_INDEXER + GPU_INDEXER_MMA,
+@pytest.mark.parametrize("spec", DECODE + INSERT + PAGED_CUDA + INDEXER + GPU_INDEXER + GPU_INDEXER_MMA + INDEX_INSERT,
                          ids=lambda s: s.name)
 def test_compiles_for_cuda(tmp_path, spec):
     manifest = C.build(None, ["cuda"], tmp_path, specs=[spec], log=lambda m: None)["cuda"]
-    assert (manifest.parent / f"{spec.name}.vmfb").stat().st_size > 10_000
+    # the module holds the kernel's binary (the smallest, the index-cache insert, is about 8 KB)
+    assert (manifest.parent / f"{spec.name}.vmfb").stat().st_size > 5_000
 
 
 def test_gfx942_isa(tmp_path):
@@ -252,6 +257,16 @@ def test_gfx942_indexer_isa(tmp_path):
     # a pick's key (%at*) and block id (%ati*) of each of a lane's 4 entries, nothing else
     assert sorted(re.findall(r"memref\.load %ws\[(%\w+)\]", merge)) == sorted(
         [f"%at{e}" for e in range(4)] + [f"%ati{e}" for e in range(4)])
+
+
+def test_gfx942_index_insert_isa(tmp_path):
+    """The index-cache insert on gfx942 (compiled, never run here): one dispatch, no scratch, no LDS."""
+    C.build(None, ["gfx942"], tmp_path, specs=INDEX_INSERT, log=lambda m: None)
+    report = {r["kernel"]: r for r in kernel_report(tmp_path)}
+    for spec in INDEX_INSERT:
+        (f,) = report[spec.name]["functions"]
+        assert report[spec.name]["dispatches"] == 1 and f["function"] == "insert", report[spec.name]
+        assert f["scratch_bytes"] == 0 and f["scratch_ops"] == 0 and f["lds_bytes"] == 0, f
 
 
 @pytest.mark.parametrize("spec", [GPU_INDEXER_MMA[0], GPU_INDEXER_MMA[3], GPU_INDEXER_MMA[7]], ids=lambda s: s.name)

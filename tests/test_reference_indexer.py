@@ -110,6 +110,17 @@ def test_the_index_cache_insert():
         R.insert_index_cache(ik[:1], cache, i32([384]))
 
 
+def test_the_fp8_index_cache_insert_saturates():
+    """Past e4m3fn's 448 a key is stored as +-448 (0x7e / 0xfe), never NaN (0x7f), whatever torch's
+    cast does; 464 is the midpoint of 448 and the next step (480) and rounds to 448 too; 1e-3 and
+    -2.5e-3 become the subnormal +-2^-9 (0x01 / 0x81), 0.25 stays exact (0x28)."""
+    fp8 = torch.zeros(1, 128, 128, dtype=torch.float8_e4m3fn)
+    ik = torch.zeros(1, 128, dtype=BF16)
+    ik[0, :7] = torch.tensor([600.0, -600.0, 464.0, 1e4, 1e-3, -2.5e-3, 0.25])
+    R.insert_index_cache(ik, fp8, i32([3]))
+    assert fp8[0, 3, :7].view(torch.uint8).tolist() == [0x7E, 0xFE, 0x7E, 0x7E, 0x01, 0x81, 0x28]
+
+
 def test_the_emitted_table_resolves_through_the_attends_block_table():
     """The index cache and the attend's cache are different pools: the table's pages come from the
     attend's block table (block 20 and 21 here), not the index cache's (0 and 1)."""

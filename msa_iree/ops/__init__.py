@@ -20,7 +20,7 @@ from .attend_gpu import GpuAttendSpec
 from .fma import SparseAttnDecodeFmaSpec, SparseAttnPagedFmaSpec, SparseAttnPrefillFmaSpec
 from .indexer import IndexCacheInsertSpec, IndexTopkSpec
 from .indexer_gpu import QUERY_TILE, IndexTopkGpuSpec
-from .insert_gpu import InsertKvGpuSpec
+from .insert_gpu import IndexCacheInsertGpuSpec, InsertKvGpuSpec
 from .mfma import (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnDecodeMfmaSpec, SparseAttnPagedMfmaEmulatedSpec,
                    SparseAttnPagedMfmaSpec, SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPrefillMfmaSpec)
 from .mma import SparseAttnDecodeMmaSpec, SparseAttnPagedMmaSpec, SparseAttnPrefillMmaSpec
@@ -35,7 +35,7 @@ PORTABLE_SPECS = (RebaseBlockTableSpec, RebaseSlotsSpec, BuildDecodeTableSpec, B
 GPU_SPECS = (SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec, SparseAttnDecodeMmaSpec, SparseAttnPrefillMmaSpec,
              SparseAttnDecodeMfmaSpec, SparseAttnPrefillMfmaSpec, SparseAttnDecodeMfmaEmulatedSpec,
              SparseAttnPrefillMfmaEmulatedSpec, SparseAttnPagedFmaSpec, SparseAttnPagedMmaSpec, SparseAttnPagedMfmaSpec,
-             SparseAttnPagedMfmaEmulatedSpec, InsertKvGpuSpec, IndexTopkGpuSpec)
+             SparseAttnPagedMfmaEmulatedSpec, InsertKvGpuSpec, IndexTopkGpuSpec, IndexCacheInsertGpuSpec)
 ALL_KERNELS = {cls.kernel: cls for cls in (*PORTABLE_SPECS, *GPU_SPECS)}
 
 # (attend family, target) -> the GPU attend's (decode, prefill) spec classes. "mfma" on cuda is the
@@ -118,7 +118,9 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
 class IndexerKernels:
     """The kernels of one layer's indexer (runtime.Indexer) on one target."""
     topk: IndexTopkSpec                   # scores and top-k, portable
-    insert: IndexCacheInsertSpec          # the index-cache insert, portable
+    # the index-cache insert: hand-written on a GPU target (no host sync: padding skipped in the
+    # kernel), else portable
+    insert: IndexCacheInsertSpec | IndexCacheInsertGpuSpec
     table: BuildPrefillTableSpec          # the attend's page table for a top-k (page-16 rebase: stride 16)
     # scores and top-k, hand-written, where the target and cfg allow: (rows, emit_table) -> spec
     # (rows: a decode step's tokens of a request scored together; emit_table: the attend's page
@@ -165,7 +167,8 @@ def indexer_set(cfg: MsaConfig, target=None, init_blocks: int = 0, local_blocks:
             for emit in (False, True):
                 tiled[emit] = IndexTopkGpuSpec(cfg, 16, init_blocks, local_blocks, emit_table=emit, rows=rows,
                                                tiled=True, dot=dot, fp8_queries=q8)
-    return IndexerKernels(IndexTopkSpec(cfg, 16, init_blocks, local_blocks, q8), IndexCacheInsertSpec(cfg),
+    insert = (IndexCacheInsertGpuSpec if target in IndexCacheInsertGpuSpec.targets else IndexCacheInsertSpec)(cfg)
+    return IndexerKernels(IndexTopkSpec(cfg, 16, init_blocks, local_blocks, q8), insert,
                           BuildPrefillTableSpec(cfg, 2 * PAGES_PER_BLOCK), gpu, tiled)
 
 

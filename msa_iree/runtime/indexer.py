@@ -8,9 +8,11 @@ layer's calls read that metadata (token positions, the index block table, the in
 The scores and top-k run the hand-written GPU kernel (ops/indexer_gpu.py) on CUDA and gfx942,
 launched on torch's stream where the library does (CUDA: run; gfx942: compiled only, never run),
 with the library's shared workspace; on the host the portable kernel of ops/indexer.py (a
-[tokens, columns, 128, 128] key gather: correct, slow). The index-cache insert and the emitted
-table are the portable kernels on every target (on a GPU IREE's synchronous call, and the insert's
-padding dropped with a host sync).
+[tokens, columns, 128, 128] key gather: correct, slow). The index-cache insert too: on a GPU the
+hand-written one (ops/insert_gpu.py: in place, the step's padding skipped in the kernel, no host
+sync), on the host the portable one. The emitted table on its own (`emit_table`) is the portable
+kernel on every target (on a GPU IREE's synchronous call); `topk_with_table` writes it in the
+top-k's own launch.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 from .. import checks
 from ..config import DTYPES, dtype_name
 from ..layout import BLOCK_SIZE, HEAD_DIM, PAGES_PER_BLOCK
-from ..ops import indexer_set
+from ..ops import IndexCacheInsertGpuSpec, indexer_set
 from ..ops.fp8 import storage_dtype
 from ..ops.indexer import INDEX_QUERY_DTYPES, indexer_config
 from ..ops.indexer_gpu import MAX_COLUMNS
@@ -74,8 +76,16 @@ class Indexer:
         if index_k.shape[0] < n:
             raise ValueError(f"index_k: expected at least num_actual_tokens={n} rows, got {index_k.shape[0]}")
         metadata.check_cache_slots(index_cache.shape[0] * BLOCK_SIZE, "index_cache")
-        # the GPU KV writer's form keeps padding, which the portable insert cannot skip
-        rows, slots = drop_padding(metadata.insert_token_index, metadata.insert_slots)
+        rows, slots = metadata.insert_token_index, metadata.insert_slots
+        if isinstance(self.specs.insert, IndexCacheInsertGpuSpec):  # in place, padding skipped by the kernel
+            if not index_cache.is_cuda:
+                raise ValueError(f"index_cache: expected a GPU tensor for the {self.kernels.target} kernels, got one "
+                                 f"on {index_cache.device}")
+            checks.check_device("index_k", index_k, index_cache.device)
+            if slots.numel():
+                self.kernels.run(self.specs.insert, raw.view(raw.shape[0], -1), index_k, rows, slots)
+            return
+        rows, slots = drop_padding(rows, slots)  # (the portable insert cannot skip padding)
         if slots.numel() == 0:
             return
         (updated,) = self.kernels.run(self.specs.insert, raw, index_k, rows, slots, out_dtypes=[raw.dtype])

@@ -10,7 +10,8 @@ signature. What runs is msa-iree's:
 - `MsaIreeImpl.forward`: the decode-first attend through `SparseAttention` (its top-k from
   `layer.topk_indices_buffer`, an emitted table where the layer's indexer wrote one, the fp8
   scales from `layer._k_scale` / `_v_scale`), any number of KV heads per rank;
-- the layer's K/V write (`_insert_aiter_sparse_pa_kv`, which calls AITER) through msa-iree's insert.
+- the layer's K/V write (`_insert_aiter_sparse_pa_kv`, which calls AITER) through msa-iree's insert,
+  and its index key through msa-iree's index-cache insert where msa-iree serves the indexer.
 """
 from __future__ import annotations
 
@@ -279,19 +280,31 @@ def use_page16_path(num_kv_heads, *, emits_sparse_block_table=False):
 def _insert_kv(layer, k, v, index_k, slot_mapping, index_slot_mapping, key_cache, value_cache):
     """The layer's `_insert_aiter_sparse_pa_kv`: msa-iree's insert for K/V (the slots are the
     plan's logical ones; `slot_mapping`, rebased for AITER's writer, is not needed), then the
-    index key into the indexer's side cache as vLLM writes it."""
+    index key into the indexer's side cache."""
     if layer.kv_cache.numel() == 0:
         return
     if not isinstance(layer.impl, MsaIreeImpl):
         return _VLLM["insert"](layer, k, v, index_k, slot_mapping, index_slot_mapping, key_cache, value_cache)
     layer.impl.insert_kv(layer, k, v, key_cache, value_cache)
-    if index_k is None or index_slot_mapping is None:
-        return
-    index_cache = layer.indexer.index_cache.kv_cache
-    if index_cache.numel():
-        from vllm.models.minimax_m3.amd.ops.sparse_pa import minimax_m3_insert_index_cache
+    if index_k is not None and index_slot_mapping is not None:
+        insert_index_key(layer.indexer, index_k, index_slot_mapping)
 
-        minimax_m3_insert_index_cache(index_k, index_cache, index_slot_mapping)
+
+def insert_index_key(indexer, index_k, index_slot_mapping):
+    """A layer's index keys [tokens, 128] into its indexer's side cache: msa-iree's insert over the
+    index group's plan where msa-iree serves the indexer (its slots are the plan's), else as vLLM
+    writes them (`minimax_m3_insert_index_cache` at index_slot_mapping)."""
+    from .indexer import MsaIreeIndexerImpl
+
+    if indexer.index_cache.kv_cache.numel() == 0:
+        return
+    impl = getattr(indexer, "impl", None)  # (vLLM's MSA indexer wrapper holds its impl)
+    if isinstance(impl, MsaIreeIndexerImpl):
+        impl.insert(index_k)
+        return
+    from vllm.models.minimax_m3.amd.ops.sparse_pa import minimax_m3_insert_index_cache
+
+    minimax_m3_insert_index_cache(index_k, indexer.index_cache.kv_cache, index_slot_mapping)
 
 
 def install():

@@ -11,8 +11,11 @@ and CUDA the layer's indexer is msa-iree's:
   top-k of the step's tokens into the model's shared top-k buffer, and the attend's page table
   for them into the layer's table buffers (`runtime.Indexer.topk_with_table`: on a GPU one launch
   of the hand-written kernel), through the attention group's plan; msa-iree's attend then reads
-  that table and builds none.
-The index keys are still written by vLLM's `minimax_m3_insert_index_cache` (the layer's K/V write).
+  that table and builds none;
+- `MsaIreeIndexerImpl.insert`: the step's index keys into the index cache (`runtime.Indexer.insert`
+  over the index group's plan: on a GPU the hand-written insert, padding skipped in the kernel),
+  called by the layer's K/V write (msa_iree.vllm.backend) in place of vLLM's
+  `minimax_m3_insert_index_cache`.
 """
 from __future__ import annotations
 
@@ -139,6 +142,22 @@ class MsaIreeIndexerImpl(_indexer.MiniMaxM3IndexerImpl):
         self.sparse_ctx_buffer: torch.Tensor | None = None  # [tokens * H]
         self.indexer_cp = False
 
+    def insert(self, index_k) -> None:
+        """index_k [>= tokens, 128] (the model's bf16) into the index cache at the index group's
+        slots (the plan's: vLLM's index slot mapping for the step)."""
+        attn_metadata = get_forward_context().attn_metadata
+        if not isinstance(attn_metadata, dict):
+            return  # a profiling run: caches unbound
+        md = self._metadata(attn_metadata)
+        self.indexer.insert(index_k, self.index_cache.kv_cache, md.msa)
+
+    def _metadata(self, attn_metadata) -> MsaIreeIndexerMetadata:
+        md = attn_metadata[self.index_cache.prefix]
+        if not isinstance(md, MsaIreeIndexerMetadata) or md.msa is None:
+            raise TypeError(f"MiniMax-M3 msa-iree indexer: expected the metadata of MsaIreeIndexerMetadataBuilder "
+                            f"for {self.index_cache.prefix}, got {type(md).__name__}")
+        return md
+
     def init_cp(self) -> None:
         raise ValueError("MiniMax-M3 msa-iree indexer: expected no indexer context parallelism "
                          "(attention_config.minimax_m3_indexer_cp), got it enabled")
@@ -153,10 +172,7 @@ class MsaIreeIndexerImpl(_indexer.MiniMaxM3IndexerImpl):
         if not isinstance(attn_metadata, dict):
             return None, None  # a profiling run: caches unbound
         prefix = self.index_cache.prefix
-        md, attend = attn_metadata[prefix], attn_metadata.get(prefix[:-len(INDEX_SUFFIX)])
-        if not isinstance(md, MsaIreeIndexerMetadata) or md.msa is None:
-            raise TypeError(f"MiniMax-M3 msa-iree indexer: expected the metadata of MsaIreeIndexerMetadataBuilder "
-                            f"for {prefix}, got {type(md).__name__}")
+        md, attend = self._metadata(attn_metadata), attn_metadata.get(prefix[:-len(INDEX_SUFFIX)])
         if not isinstance(attend, backend.MsaIreeMetadata) or attend.msa is None:
             raise TypeError(f"MiniMax-M3 msa-iree indexer: expected msa-iree's attention metadata for "
                             f"{prefix[:-len(INDEX_SUFFIX)]} (the emitted table addresses its cache), got "

@@ -456,16 +456,21 @@ def test_the_indexer_selects_and_emits_the_attends_table_as_the_reference(plugin
     own block tables) from the plugin's builders in a forward context, the indexer's forward as
     vLLM's MSA indexer wrapper calls it: the shared top-k buffer and the layer's table buffers
     hold reference.index_topk's top-k and the attend's table for it, rows past the step untouched.
-    An fp8 index cache gets its index queries in e4m3fn, as vLLM's model writes them."""
+    The step's index keys go in first through the layer's index-key write (msa-iree's insert at the
+    index group's own slots). An fp8 index cache gets its index queries in e4m3fn, as vLLM's
+    model writes them."""
     from vllm.config import set_current_vllm_config
 
     from msa_iree.vllm import indexer
 
     cm = dict(steps())[name]
     index_bt = torch.tensor([[10, 3, 6], [11, 8, 2], [0, 9, 4]], dtype=torch.int32)[:cm.num_reqs]
-    index_slots = [int(index_bt.reshape(-1)[0])]  # unused by the indexer's reads
-    icm = common_metadata(index_bt.tolist(), cm.seq_lens.tolist(), (cm.query_start_loc[1:] - cm.query_start_loc[:-1]).tolist(),
-                          index_slots * cm.num_actual_tokens)
+    qlens = (cm.query_start_loc[1:] - cm.query_start_loc[:-1]).tolist()
+    computed = (cm.seq_lens - torch.tensor(qlens)).tolist()
+    req = torch.tensor([r for r, q in enumerate(qlens) for _ in range(q)], dtype=torch.int32)
+    pos = torch.tensor([c + i for c, q in zip(computed, qlens) for i in range(q)], dtype=torch.int32)
+    index_slots = (index_bt[req.long(), pos.long() // 128] * 128 + pos % 128).tolist()  # the index group's own
+    icm = common_metadata(index_bt.tolist(), cm.seq_lens.tolist(), qlens, index_slots)
     config = indexer_vllm_config()
     with set_current_vllm_config(config):
         impl = make_indexer(plugin, indexer_kv_dtype=indexer_kv_dtype)
@@ -477,17 +482,19 @@ def test_the_indexer_selects_and_emits_the_attends_table_as_the_reference(plugin
     dtype = {"bf16": BF16, "fp8": FN}[indexer_kv_dtype]
     assert impl.index_cache.dtype == dtype  # (vLLM's index cache)
     impl.index_cache.kv_cache = torch.randn(12, 128, 128, generator=g).to(dtype)
+    ref_cache = impl.index_cache.kv_cache.clone()
     n = index_md.num_actual_tokens
     index_query = (2 * torch.randn(n, 128, generator=g)).to(dtype)
+    index_k = torch.randn(n, 128, generator=g).to(BF16)  # the model's bf16
     context = ForwardContext(no_compile_layers={}, slot_mapping={},
                              attn_metadata={"model.layers.3.self_attn.attn": attend_md,
                                             impl.index_cache.prefix: index_md})
+    wrapper = types.SimpleNamespace(impl=impl, index_cache=impl.index_cache)  # vLLM's MSA indexer's surface
     with override_forward_context(context):
+        plugin.insert_index_key(wrapper, index_k, torch.tensor(index_slots))
         decode_topk, prefill_topk = impl(index_query, decode_page16_block_table=None, prefill_page16_block_table=None)
-    qlens = (cm.query_start_loc[1:] - cm.query_start_loc[:-1]).tolist()
-    computed = (cm.seq_lens - torch.tensor(qlens)).tolist()
-    req = torch.tensor([r for r, q in enumerate(qlens) for _ in range(q)], dtype=torch.int32)
-    pos = torch.tensor([c + i for c, q in zip(computed, qlens) for i in range(q)], dtype=torch.int32)
+    R.insert_index_cache(index_k, ref_cache, torch.tensor(index_slots, dtype=torch.int32))
+    assert torch.equal(impl.index_cache.kv_cache.view(torch.uint8), ref_cache.view(torch.uint8))
     want = R.index_topk(index_query.view(n, 1, 128), impl.index_cache.kv_cache, index_bt, req, pos,
                         init_blocks=0, local_blocks=1)
     nd = index_md.num_decode_tokens
