@@ -1311,17 +1311,14 @@ def test_the_gpu_index_insert_is_the_reference(cuda_kernels, cache_dtype):
     nothing else touched; then the same insert captured in a CUDA graph and replayed with new
     keys (the padding skipped in the kernel: no host sync)."""
     from msa_iree.runtime import Indexer, MetadataBuilder
+    from test_indexer_kernel import step_rows
 
     dev = torch.device("cuda")
     dtype = DTYPES[cache_dtype]
     gen = torch.Generator().manual_seed(17 + len(cache_dtype))
     index_bt = torch.tensor([[3, 7, 1, 9, 0], [2, 5, 11, 4, 6], [8, 10, 12, 13, 14]], dtype=torch.int32)
-    q_lens = torch.tensor([1, 1, 130], dtype=torch.int32)
     computed = torch.tensor([300, 511, 200], dtype=torch.int32)
-    seq = computed + q_lens
-    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()])
-    req = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), q_lens)
-    pos = torch.cat([torch.arange(int(c), int(s)) for c, s in zip(computed, seq)]).int()
+    qsl, seq, req, pos = step_rows(computed, [1, 1, 130])
     n, padded = int(qsl[-1]), int(qsl[-1]) + 6
     slots = torch.full((padded,), -1, dtype=torch.int32)
     slots[:n] = index_bt[req.long(), pos.long() // 128] * 128 + pos % 128
@@ -1356,17 +1353,14 @@ def test_the_indexer_serves_the_gpu_kernel_on_the_step_metadata(cuda_kernels):
     launched on torch's stream into the caller's buffer (rows past the step untouched) or its own;
     the same top-k as the reference for a mixed step (two decodes, a chunked prefill)."""
     from msa_iree.runtime import Indexer, MetadataBuilder
+    from test_indexer_kernel import step_rows
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(91)
     index_bt = torch.tensor([[3, 7, 1, 9, 0], [2, 5, 11, 4, 6], [8, 10, 12, 13, 14]], dtype=torch.int32)
     cache = torch.randn(16, 128, 128, generator=gen).to(torch.bfloat16)
-    q_lens = torch.tensor([1, 1, 130], dtype=torch.int32)
     computed = torch.tensor([300, 511, 200], dtype=torch.int32)
-    seq = computed + q_lens
-    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()])
-    req = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), q_lens)
-    pos = torch.cat([torch.arange(int(c), int(s)) for c, s in zip(computed, seq)]).int()
+    qsl, seq, req, pos = step_rows(computed, [1, 1, 130])
     builder = MetadataBuilder(4, 1024, num_cache_blocks=16, kernels=cuda_kernels, device=dev)
     md = builder.build(index_bt.to(dev), seq.to(dev), qsl.to(dev), computed.to(dev), 1, 2)
     n = int(qsl[-1])
