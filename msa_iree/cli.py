@@ -95,14 +95,14 @@ def _indexer_specs(args, cfg, target) -> list:
     if args.index_cache_dtype is None:
         return []
     from .ops import indexer_set
-    from .ops.indexer import INDEX_QUERY_DTYPES, indexer_config
+    from .ops.indexer import FP8_QUERIES_CACHE, INDEX_QUERY_DTYPES, indexer_config
 
     try:
         indexer_config(cfg.num_kv_heads, args.index_cache_dtype, cfg.query_dtype)  # the cache's dtype first
         if args.index_query_dtype not in INDEX_QUERY_DTYPES:
             raise ValueError(f"index_query_dtype: expected one of {', '.join(INDEX_QUERY_DTYPES)}, "
                              f"got {args.index_query_dtype!r}")
-        fp8_queries = args.index_query_dtype == "fp8_e4m3fn"
+        fp8_queries = args.index_query_dtype == FP8_QUERIES_CACHE
         # the index keys (the insert's input) come in the model's dtype: the attend's queries'
         cfg = indexer_config(cfg.num_kv_heads, args.index_cache_dtype,
                              cfg.query_dtype if fp8_queries else args.index_query_dtype)

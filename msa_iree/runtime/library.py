@@ -79,7 +79,7 @@ def build_command(spec: KernelSpec, target: str, out=None) -> str:
     """The `msa-iree compile` command whose kernel set holds `spec` (for a kernel outside every
     set, the call that builds it alone)."""
     from ..ops import indexer_set, kernel_set
-    from ..ops.indexer import indexer_config
+    from ..ops.indexer import FP8_QUERIES_CACHE, indexer_config
 
     c = spec.cfg
     lens = (1, 2, 3, 4, c.decode_query_len)
@@ -98,7 +98,7 @@ def build_command(spec: KernelSpec, target: str, out=None) -> str:
     if index:
         cmd.append(f"--index-cache-dtype {c.kv_dtype} --index-init-blocks {forced[0]} --index-local-blocks {forced[1]}")
         if fp8_queries:
-            cmd.append("--index-query-dtype fp8_e4m3fn")
+            cmd.append(f"--index-query-dtype {FP8_QUERIES_CACHE}")
     if c.decode_query_len not in (1, 2, 3, 4):
         cmd.append(f"--decode-query-lens 1,2,3,4,{c.decode_query_len}")
     if out is not None:
