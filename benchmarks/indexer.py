@@ -6,7 +6,8 @@ vLLM serves MiniMax-M3's indexer on CUDA with `minimax_m3_index_decode` of
 for the measurement, not part of this repository): block scores and a split top-k, 1 index head,
 init 0 / local 1 forced blocks. Each case is a decode batch of `c` requests, every one `ctx`
 tokens long with L new tokens (positions ctx - L .. ctx - 1), random index keys, each request its
-own blocks.
+own blocks; `--columns N` gives every block table N columns, zeros past a request's blocks, as
+vLLM's are (as wide as its longest context: 8,192 for 1M tokens).
 
 Per case and dot (`--dot`: "mma" tensor cores, "fma" lane-wise products; the one runtime.Indexer
 serves on CUDA, ops.indexer_dot, in bold): cold and warm us (anchor.cold_us / warm_us) of both,
@@ -50,11 +51,16 @@ CASES = [(c, ctx, L) for c in (64, 256) for ctx in (8192, 32768, 131072) for L i
 PREFILL_CASES = [(4096, 32768)]
 
 
-def decode_case(c, ctx, L, cache_dtype, device, gen):
-    """(q [c L, 1, 128] bf16, cache [blocks, 128, 128], block_table [c, ctx / 128], seq_lens [c],
-    req_id and abs_pos [c L]) of a decode batch: every request ctx tokens, its own blocks."""
+def decode_case(c, ctx, L, cache_dtype, device, gen, columns=None):
+    """(q [c L, 1, 128] bf16, cache [blocks, 128, 128], block_table [c, columns or ctx / 128],
+    seq_lens [c], req_id and abs_pos [c L]) of a decode batch: every request ctx tokens, its own
+    blocks (then zeros to `columns`)."""
     nb = -(-ctx // 128)
-    table = torch.randperm(c * nb, generator=gen).view(c, nb).int().to(device)
+    if columns is not None and columns < nb:
+        raise ValueError(f"--columns: expected at least the {nb} blocks of a {ctx}-token context, got {columns}")
+    table = torch.zeros(c, columns or nb, dtype=torch.int32)
+    table[:, :nb] = torch.randperm(c * nb, generator=gen).view(c, nb).int()
+    table = table.to(device)
     cache = torch.empty(c * nb, 128, 128, dtype=torch.bfloat16, device=device)
     cache.normal_(generator=torch.Generator(device).manual_seed(int(torch.randint(1 << 30, (1,), generator=gen))))
     cache = cache.to(DTYPES[cache_dtype])
@@ -65,10 +71,11 @@ def decode_case(c, ctx, L, cache_dtype, device, gen):
     return q, cache, table, seq, req, pos
 
 
-def prefill_case(nq, ctx, cache_dtype, device, gen):
-    """(q [nq, 1, 128] bf16, cache [blocks, 128, 128], block_table [1, ctx / 128], req_id and
-    abs_pos [nq], tiles) of one request's chunk of nq tokens ending at ctx, its query tiles."""
-    q, cache, table, _, _, _ = decode_case(1, ctx, 1, cache_dtype, device, gen)
+def prefill_case(nq, ctx, cache_dtype, device, gen, columns=None):
+    """(q [nq, 1, 128] bf16, cache [blocks, 128, 128], block_table [1, columns or ctx / 128],
+    req_id and abs_pos [nq], tiles) of one request's chunk of nq tokens ending at ctx, its query
+    tiles."""
+    q, cache, table, _, _, _ = decode_case(1, ctx, 1, cache_dtype, device, gen, columns)
     q = torch.randn(nq, 1, 128, generator=gen).to(torch.bfloat16).to(device)
     req = torch.zeros(nq, dtype=torch.int32, device=device)
     pos = (ctx - nq + torch.arange(nq, device=device)).int()
@@ -82,16 +89,17 @@ def reference_rows(q, cache, table, req, pos, request=0, every=1):
     rows = (req == request).nonzero().flatten()
     nth = torch.arange(len(rows), device=rows.device)
     rows = rows[(nth % every == 0) | (nth < 16)]
-    blocks = cache[table[request].long()].cpu()
-    local = torch.arange(table.shape[1], dtype=torch.int32)[None]
+    ncols = int(pos[rows].max()) // 128 + 1  # the rows' candidates (not the table's padding)
+    blocks = cache[table[request, :ncols].long()].cpu()
+    local = torch.arange(ncols, dtype=torch.int32)[None]
     return rows, R.index_topk(q[rows].cpu(), blocks, local, torch.zeros(len(rows), dtype=torch.int32), pos[rows].cpu())
 
 
-def run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy_GBps, gen, dots):
+def run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy_GBps, gen, dots, columns=None):
     """One row per dot of `dots` (IndexTopkGpuSpec.dot), on the same inputs, Triton's columns
     measured once and repeated in each."""
     device = torch.device("cuda")
-    inputs = decode_case(c, ctx, L, cache_dtype, device, gen)
+    inputs = decode_case(c, ctx, L, cache_dtype, device, gen, columns)
     rows = [measure_msa(lib, inputs, c, ctx, L, cache_dtype, flush, dot) for dot in dots]
     if triton_mod is not None:
         q, cache, table, seq, req, pos = inputs
@@ -148,7 +156,7 @@ def measure_msa(lib, inputs, c, ctx, L, cache_dtype, flush, dot):
 
     msa()
     rows, want = reference_rows(q, cache, table, req, pos)
-    row = {"c": c, "ctx": ctx, "L": L, "cache": cache_dtype, "dot": dot, "kernel": spec.name,
+    row = {"c": c, "ctx": ctx, "L": L, "columns": table.shape[1], "cache": cache_dtype, "dot": dot, "kernel": spec.name,
            "served": dot == indexer_dot(spec.cfg, "cuda", spec.rows),
            "ref": bool(torch.equal(out[:, rows].cpu(), want)), "_out": out.clone()}
     row["msa_cold_us"], row["msa_warm_us"] = anchor.cold_us(msa, flush), anchor.warm_us(msa)
@@ -157,11 +165,11 @@ def measure_msa(lib, inputs, c, ctx, L, cache_dtype, flush, dot):
     return row
 
 
-def run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy_GBps, gen, dots):
+def run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy_GBps, gen, dots, columns=None):
     """Rows for msa-iree's tiled kernel (each of `dots`) and its one-token-a-workgroup kernel on one
     chunk, Triton's prefill indexer on the same inputs measured once and repeated in each."""
     device = torch.device("cuda")
-    q, cache, table, req, pos, tiles = prefill_case(nq, ctx, cache_dtype, device, gen)
+    q, cache, table, req, pos, tiles = prefill_case(nq, ctx, cache_dtype, device, gen, columns)
     cfg = indexer_config(1, cache_dtype, "bf16")
     served = indexer_set(cfg, "cuda").gpu_tiled()
     specs = [IndexTopkGpuSpec(cfg, rows=INDEXER_TILED.tile_rows(1, dot), tiled=True, dot=dot) for dot in dots]
@@ -184,7 +192,7 @@ def run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy_GBps, ge
             lib.run(emit, *ins, table, out=[out, sbt, sctx, ws])
 
         msa()
-        row = {"c": 1, "q": nq, "ctx": ctx, "cache": cache_dtype, "dot": spec.dot, "rows": spec.rows,
+        row = {"c": 1, "q": nq, "ctx": ctx, "columns": table.shape[1], "cache": cache_dtype, "dot": spec.dot, "rows": spec.rows,
                "tiled": spec.tiled, "kernel": spec.name, "served": spec.name == served.name,
                "ref": bool(torch.equal(out[:, sample].cpu(), want)), "_out": out.clone()}
         row["msa_cold_us"], row["msa_warm_us"] = anchor.cold_us(msa, flush), anchor.warm_us(msa)
@@ -247,6 +255,8 @@ def main(argv=None):
     p.add_argument("--cases", default=None, help="c:ctx:L,... (default: the grid of CASES)")
     p.add_argument("--prefill", default=None, help="q:ctx,... prefill cases (default: PREFILL_CASES; 'none': none)")
     p.add_argument("--dot", default="mma,fma", help="IndexTopkGpuSpec.dot values, each its own row")
+    p.add_argument("--columns", type=int, default=None,
+                   help="block-table columns of every case (vLLM's: max_model_len / 128; default: ctx / 128)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -264,14 +274,16 @@ def main(argv=None):
     rows, prefill_rows = [], []
     for cache_dtype in a.cache.split(","):
         for c, ctx, L in cases:
-            rows += run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy, gen, a.dot.split(","))
+            rows += run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy, gen, a.dot.split(","), a.columns)
             print(rows[-1], flush=True)
             torch.cuda.empty_cache()
         for nq, ctx in prefill:
-            prefill_rows += run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy, gen, a.dot.split(","))
+            prefill_rows += run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy, gen, a.dot.split(","),
+                                             a.columns)
             print(prefill_rows[-1], flush=True)
             torch.cuda.empty_cache()
-    print(f"device copy: {copy:.0f} GB/s (read + written)")
+    print(f"device copy: {copy:.0f} GB/s (read + written); block tables: "
+          + (f"{a.columns} columns" if a.columns else "ctx / 128 columns"))
     print(table(rows))
     print(prefill_table(prefill_rows))
     if a.json:

@@ -27,6 +27,10 @@ GPU_INDEXER_TILE_CASES = [(1, "bf16", 64, True, "mma"), (2, "fp8_e4m3fn", 32, Fa
                           (1, "bf16", 32, False, "mma"), (1, "fp8_e4m3fn", 32, True, "mma"), (2, "bf16", 16, True, "mma"),
                           (4, "fp8_e4m3fn", 8, False, "mma"), (1, "bf16", 8, False, "mma"), (1, "bf16", 8, False, "fma"),
                           (1, "fp8_e4m3fn", 4, True, "fma"), (2, "bf16", 4, True, "fma"), (4, "fp8_e4m3fn", 2, False, "fma")]
+# ... a block table as wide as vLLM's for a 1M-token context, each group split by its own
+# candidates: (rows, tiled, dot, init blocks, local blocks)
+GPU_INDEXER_WIDE_TABLE_CASES = [(1, False, "fma", 0, 1), (4, False, "mma", 0, 1), (8, True, "fma", 1, 1),
+                                (32, True, "mma", 1, 1)]
 # ... each with both ways of taking @score's dot products on CUDA (IndexTopkGpuSpec.dot)
 GPU_INDEXER_DOTS = ("fma", "mma")
 # e4m3fn index queries against an e4m3fn cache (fp8_queries): (index heads, rows, tiled, emit_table, dot)
@@ -101,6 +105,8 @@ def gpu_test_specs():
     specs += [IndexTopkGpuSpec(indexer_config(heads, "fp8_e4m3fn", "bf16"), 16, 1, 1, emit_table=emit, rows=rows,
                                tiled=tiled, dot=dot, fp8_queries=True)
               for heads, rows, tiled, emit, dot in GPU_INDEXER_FP8_QUERY_CASES]
+    specs += [IndexTopkGpuSpec(indexer_config(1, "bf16", "bf16"), 16, init, local, rows=rows, tiled=tiled, dot=dot)
+              for rows, tiled, dot, init, local in GPU_INDEXER_WIDE_TABLE_CASES]
     # runtime.Indexer's for an e4m3fn cache's e4m3fn queries (what the vLLM plugin serves it with)
     specs += indexer_set(indexer_config(1, "fp8_e4m3fn", "bf16"), "cuda", fp8_queries=True).specs()
     for kv in ("bf16", "fp8_e4m3fn"):  # runtime.Indexer's, and the benchmark's (both dots: its A/B)

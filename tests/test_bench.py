@@ -92,3 +92,23 @@ def test_layer_caches_are_disjoint_slices_of_the_pool():
         assert torch.equal(k[pages], c.k_cache[shifted]) and torch.equal(v[pages], c.v_cache[shifted])
         assert k.data_ptr() == c.k_cache[shifted[0, 0] - pages[0, 0]].data_ptr()
 
+
+
+def test_the_indexer_benchmark_pads_block_tables_as_vllm_does():
+    """--columns: a decode case's block tables are that wide, each request's own blocks first (one
+    permutation of the cache's blocks over the batch), zeros after; the reference rows read only
+    the candidates; a table narrower than the context is refused by name."""
+    from benchmarks import indexer
+
+    cpu = torch.device("cpu")
+    q, cache, table, seq, req, pos = indexer.decode_case(3, 300, 2, "bf16", cpu, torch.Generator().manual_seed(0),
+                                                         columns=64)
+    assert table.shape == (3, 64) and not table[:, 3:].any()
+    assert sorted(table[:, :3].reshape(-1).tolist()) == list(range(9)) and cache.shape[0] == 9
+    assert pos.tolist() == [298, 299] * 3 and req.tolist() == [0, 0, 1, 1, 2, 2] and seq.tolist() == [300] * 3
+    rows, want = indexer.reference_rows(q, cache, table, req, pos, request=1)
+    assert rows.tolist() == [2, 3]
+    from msa_iree import reference as R
+    assert torch.equal(want, R.index_topk(q[2:4], cache, table[1:2], torch.zeros(2, dtype=torch.int32), pos[2:4]))
+    with pytest.raises(ValueError, match="--columns: expected at least the 3 blocks of a 300-token context, got 2"):
+        indexer.decode_case(1, 300, 1, "bf16", cpu, torch.Generator().manual_seed(0), columns=2)

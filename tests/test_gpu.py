@@ -1283,8 +1283,8 @@ def test_the_gpu_indexer_ranks_the_hand_made_request(cuda_kernels, dot):
 @pytest.mark.parametrize("dot", gpu_cases.GPU_INDEXER_DOTS)
 @pytest.mark.parametrize("cols, cache_dtype", [(64, "bf16"), (1000, "fp8_e4m3fn"), (8192, "bf16")])
 def test_the_gpu_indexer_over_long_contexts_is_the_reference(cuda_kernels, cols, cache_dtype, dot):
-    """Both split rules (8 blocks a split up to 512 columns, then columns / 64) up to 8,192 columns
-    (1,048,576 tokens): rows at a request's last, first and block-edge positions and four
+    """Both split rules (8 blocks a split up to 512 candidates, then candidates / 64) up to 8,192
+    columns (1,048,576 tokens): rows at a request's last, first and block-edge positions and four
     consecutive (speculative decode) positions, random keys; ids and order exactly the reference's."""
     from msa_iree.ops import IndexTopkGpuSpec
 
@@ -1299,6 +1299,49 @@ def test_the_gpu_indexer_over_long_contexts_is_the_reference(cuda_kernels, cols,
     want = R.index_topk(q, cache, table, req, pos)
     got = _gpu_topk(cuda_kernels, IndexTopkGpuSpec(indexer_config(1, cache_dtype, "bf16"), dot=dot), q, cache, table, req, pos)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows, tiled, dot, init, local", gpu_cases.GPU_INDEXER_WIDE_TABLE_CASES)
+def test_the_gpu_indexer_splits_each_group_by_its_own_candidates(cuda_kernels, rows, tiled, dot, init, local):
+    """A block table of 8,192 columns (vLLM's for a 1M-token context) over short requests: each
+    workgroup's rows split by their own candidates (a 4K-token row into 4 splits, not 1), and a
+    row whose group reaches further (tokens straddling 512 / 513 candidates: 8 blocks a split for
+    the one, 9 for the other) merges the splits its group gave it: ids and order exactly the
+    reference's for requests of 1, 16, 17, 32, 512 / 513 and 700 candidate blocks, a padded one,
+    init and local blocks forced; rows past the step untouched."""
+    from msa_iree.ops import IndexTopkGpuSpec
+    from msa_iree.ops.indexer_gpu import QUERY_TILE
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3000 + rows + 10 * tiled)
+    cols, blocks = 8192, 720
+    cache = torch.randn(blocks, 128, 128, generator=gen).to(torch.bfloat16)
+    table = torch.randint(0, blocks, (8, cols), generator=gen, dtype=torch.int32)
+    # (request, last position + 1): every request's tokens end there
+    ends = [(0, 100), (1, 16 * 128), (2, 16 * 128 + 1), (3, 32 * 128), (4, 512 * 128 + 2), (5, 0), (6, 700 * 128 - 5),
+            (7, 512 * 128)]
+    # a decode step's `rows` tokens a request, or prefill chunks of `rows` + 3 (a partial tile's)
+    count = rows if not tiled else rows + 3
+    chunks = [(r, end - count, count) if end else (r, -1, rows) for r, end in ends]
+    req = torch.tensor([r for r, _, n in chunks for _ in range(n)], dtype=torch.int32)
+    pos = torch.tensor([p + i if p >= 0 else -1 for _, p, n in chunks for i in range(n)], dtype=torch.int32)
+    n = len(pos)
+    cand = torch.where(pos >= 0, pos // 128 + 1, 0)
+    assert {1, 16, 17, 32, 512, 513, 700} <= set(cand.tolist()) and 0 in cand.tolist()
+    q = torch.randn(n, 1, 128, generator=gen).to(torch.bfloat16)
+    want = R.index_topk(q, cache, table, req, pos, init_blocks=init, local_blocks=local)
+    spec = IndexTopkGpuSpec(indexer_config(1, "bf16", "bf16"), 16, init, local, rows=rows, tiled=tiled, dot=dot)
+    topk = torch.full((1, n + 3, 16), -7, dtype=torch.int32, device=dev)
+    ws = torch.full((spec.workspace_floats(n, cols),), float("nan"), device=dev)
+    if tiled:
+        starts = [sum(c[2] for c in chunks[:i]) for i in range(len(chunks))]
+        tiles = [torch.tensor([s + t for s, (_, p, k) in zip(starts, chunks) if p >= 0 for t in range(0, k, QUERY_TILE)],
+                              dtype=torch.int32).to(dev)]
+    else:
+        tiles = []
+    cuda_kernels.run(spec, q.to(dev), cache.reshape(blocks, -1).to(dev), table.to(dev), req.to(dev), pos.to(dev),
+                     *tiles, out=[topk, ws])
+    assert torch.equal(topk[:, :n].cpu(), want) and topk[:, n:].eq(-7).all()
 
 
 @pytest.mark.parametrize("cache_dtype", ["bf16", "fp8_e4m3fn"])

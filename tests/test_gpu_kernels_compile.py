@@ -243,7 +243,7 @@ def test_gfx942_indexer_isa(tmp_path):
     """The hand-written indexer on gfx942 (compiled, never run here), with and without the table
     emission, one token or a decode step's tokens of a request a workgroup: two dispatches, no
     scratch, >= 4 waves per SIMD, the keys read in 16-byte loads, no score tensor between the
-    dispatches (@merge reads only the picks)."""
+    dispatches (@merge reads only the picks and each row's split count)."""
     C.build(None, ["gfx942"], tmp_path, specs=GPU_INDEXER, log=lambda m: None)
     report = {r["kernel"]: r for r in kernel_report(tmp_path)}
     for spec in GPU_INDEXER:
@@ -254,9 +254,10 @@ def test_gfx942_indexer_isa(tmp_path):
         assert functions["score"]["global_load_x4"] >= spec.tuning.loads_for(spec.rows, spec.cfg.num_kv_heads, spec.cfg.is_fp8), functions["score"]
     text = GPU_INDEXER[0].render()
     merge = text[text.index("func.func @merge"):text.index("func.func @main")]
-    # a pick's key (%at*) and block id (%ati*) of each of a lane's 4 entries, nothing else
+    # a pick's key (%at*) and block id (%ati*) of each of a lane's 4 entries, and the row's
+    # split count (%rec_at), nothing else
     assert sorted(re.findall(r"memref\.load %ws\[(%\w+)\]", merge)) == sorted(
-        [f"%at{e}" for e in range(4)] + [f"%ati{e}" for e in range(4)])
+        [f"%at{e}" for e in range(4)] + [f"%ati{e}" for e in range(4)] + ["%rec_at"])
 
 
 def test_gfx942_index_insert_isa(tmp_path):
@@ -354,16 +355,26 @@ def test_the_indexer_merges_several_rows_a_workgroup_in_tiled_launches_only():
         IndexerTuning(merge_splits_per_team=12)
 
 
-def test_the_indexer_split_rule_covers_every_column_count():
-    """The template's rule (blocks a split, splits) as the spec states it: MIN_BPS blocks a split
-    up to MAX_SPLITS splits, then as many as fit MAX_SPLITS; every column is in a split, no split
-    is empty, and 8,192 columns (1M tokens) is the most."""
+def test_the_indexer_splits_each_request_by_its_own_candidates():
+    """The template's rule as the spec states it: a group of C candidate blocks splits into
+    MIN_BPS blocks a split up to MAX_SPLITS splits, then as many as fit MAX_SPLITS, whatever
+    the table's width (vLLM's is as wide as its longest context); every candidate is in a split,
+    no split is empty, and the grid's splits for any width cover every row it can hold (513
+    columns hold a row of 512 candidates: 64 splits of 8, not 57 of 9)."""
     t = GPU_INDEXER[0].tuning
+    assert (t.min_blocks_per_split, t.max_splits) == (8, 64)
     for cols in [1, 7, 8, 9, 511, 512, 513, 1000, 1024, 4095, 8192]:
-        bps, splits = t.blocks_per_split(cols), t.splits(cols)
-        assert bps <= 128 and splits <= t.max_splits and (splits - 1) * bps < cols <= splits * bps, cols
-    assert t.blocks_per_split(512) == 8 and t.blocks_per_split(513) == 9 and t.blocks_per_split(8192) == 128
-    assert GPU_INDEXER[0].workspace_floats(3, 64) == 2 * 3 * 1 * 8 * 16
+        assert t.splits(cols) <= t.max_splits
+        for cand in sorted({1, 7, 8, 9, 32, 511, 512, 513, cols // 2 + 1, cols - 1, cols} - {0}):
+            if cand > cols:
+                continue
+            bps = t.blocks_per_split(cand)
+            splits = -(-cand // bps)
+            assert bps <= 128 and splits <= t.splits(cols) and (splits - 1) * bps < cand <= splits * bps, (cols, cand)
+    assert [t.blocks_per_split(c) for c in (32, 512, 513, 8192)] == [8, 8, 9, 128]
+    assert [t.splits(c) for c in (1, 32, 512, 513, 8192)] == [1, 4, 64, 64, 64]
+    # each (token, head, split)'s 16 keys and 16 ids, then a split count per token
+    assert GPU_INDEXER[0].workspace_floats(3, 64) == 2 * 3 * 1 * 8 * 16 + 3
 
 
 def test_the_gpu_indexer_refuses_what_it_cannot_build():

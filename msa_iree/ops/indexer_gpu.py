@@ -156,5 +156,5 @@ class IndexTopkGpuSpec(TemplateSpec):
 
     def workspace_floats(self, num_tokens: int, columns: int) -> int:
         """32-bit words of the workspace for num_tokens tokens over `columns` block-table columns:
-        each split's 16 picks (key and block id) per (token, head)."""
-        return 2 * num_tokens * self.cfg.num_kv_heads * self.tuning.splits(columns) * 16
+        each split's 16 picks (key and block id) per (token, head), then each token's splits."""
+        return (2 * self.cfg.num_kv_heads * self.tuning.splits(columns) * 16 + 1) * num_tokens

@@ -103,8 +103,8 @@ TUNING = {
 class IndexerTuning:
     """The GPU indexer's knobs (templates/index_topk_gpu.mlir.j2). A token's candidate blocks are
     split over workgroups of min_blocks_per_split blocks (one per team of 32 lanes at 8) up to
-    max_splits splits, above that C / max_splits blocks each (at most 128: 8,192 columns, 1M
-    tokens); key_loads: 16-byte bf16 key loads in flight per lane, scoring one token's one head
+    max_splits splits, above that ceil(candidates / max_splits) blocks each (at most 128: 8,192
+    columns, 1M tokens), by the candidates of the request's rows, whatever the table's width; key_loads: 16-byte bf16 key loads in flight per lane, scoring one token's one head
     (fp8 keys: half as many; p (token, head) pairs: 1 / p as many, at least 4 bf16 / 2 fp8); max_row_heads: the most (token, head) pairs a
     workgroup scores together from one key load (a decode step's tokens of a request, as many as
     divide its L): past 4 gfx942 gives the score more than 128 VGPRs (fewer than 4 waves a SIMD)."""
@@ -172,13 +172,16 @@ class IndexerTuning:
         head) pairs on tensor cores, max_row_heads lane-wise."""
         return max(1, (self.tile_row_heads_mma if dot == "mma" else self.max_row_heads) // num_index_heads)
 
-    def blocks_per_split(self, columns: int) -> int:
-        """Blocks a split scores for a block table of `columns` columns (the template's rule)."""
-        narrow = -(-columns // self.min_blocks_per_split) <= self.max_splits
-        return self.min_blocks_per_split if narrow else -(-columns // self.max_splits)
+    def blocks_per_split(self, candidates: int) -> int:
+        """Blocks a split scores for a group of rows with `candidates` candidate blocks (the
+        template's split rule: each group by its own, not by the table's width)."""
+        narrow = -(-candidates // self.min_blocks_per_split) <= self.max_splits
+        return self.min_blocks_per_split if narrow else -(-candidates // self.max_splits)
 
     def splits(self, columns: int) -> int:
-        return max(1, -(-columns // self.blocks_per_split(columns)))
+        """The launch grid's splits for a block table of `columns` columns: as many as its
+        longest row takes."""
+        return max(1, min(-(-columns // self.min_blocks_per_split), self.max_splits))
 
 
 INDEXER = IndexerTuning()
