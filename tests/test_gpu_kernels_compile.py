@@ -3,6 +3,8 @@ gfx942, and the gfx942 ISA has the properties the MI300X targets need (benchmark
 GPU by tests/test_gpu.py (the CPU cannot run them: llvm-cpu has no gpu.thread_id)."""
 import dataclasses
 import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -288,6 +290,26 @@ def test_the_mma_indexer_ptx_scores_on_tensor_cores(tmp_path, spec):
         assert ".target sm_89" in ptx and score.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 8 * tiles + queries
     else:
         assert ".target sm_80" in ptx and "cvt.rn.f16x2.e4m3x2" not in score
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("kv, rows", [("bf16", 1), ("bf16", 4), ("fp8_e4m3fn", 1)])
+def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows):
+    """The served decode @score on tensor cores (two workgroups an SM: at most 128 registers)
+    holds everything in registers for sm_90: the split size reaches it through a lane-0 shuffle,
+    where a size LLVM could bound (at least MIN_BPS) had ptxas spill the bf16 score at 128
+    registers (1.34x slower on the H200, benchmarks/PERF.md)."""
+    spec = K.IndexTopkGpuSpec(MsaConfig(kv_dtype=kv), 16, 0, 1, rows=rows, dot="mma")
+    ptx, score = _entry_ptx(tmp_path, spec, "score")
+    path = tmp_path / "k.ptx"
+    path.write_text(ptx)
+    run = subprocess.run(["ptxas", "-arch=sm_90", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    info = run.stderr[run.stderr.index("Compiling entry function 'score'"):]
+    info = info[:info.index("Compiling entry function", 10)] if "Compiling entry function" in info[10:] else info
+    assert "0 bytes spill stores, 0 bytes spill loads" in info, info
+    assert "shfl.sync.idx" in score
 
 
 def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
