@@ -298,7 +298,7 @@ def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows):
     """The served decode @score on tensor cores (two workgroups an SM: at most 128 registers)
     holds everything in registers for sm_90: the split size reaches it through a lane-0 shuffle,
     where a size LLVM could bound (at least MIN_BPS) had ptxas spill the bf16 score at 128
-    registers (1.34x slower on the H200, benchmarks/PERF.md)."""
+    registers (1.26-1.33x slower on the H200, benchmarks/PERF.md)."""
     spec = K.IndexTopkGpuSpec(MsaConfig(kv_dtype=kv), 16, 0, 1, rows=rows, dot="mma")
     ptx, score = _entry_ptx(tmp_path, spec, "score")
     path = tmp_path / "k.ptx"
