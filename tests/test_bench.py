@@ -93,7 +93,6 @@ def test_layer_caches_are_disjoint_slices_of_the_pool():
         assert k.data_ptr() == c.k_cache[shifted[0, 0] - pages[0, 0]].data_ptr()
 
 
-
 def test_the_indexer_benchmark_pads_block_tables_as_vllm_does():
     """--columns: a decode case's block tables are that wide, each request's own blocks first (one
     permutation of the cache's blocks over the batch), zeros after; the reference rows read only
