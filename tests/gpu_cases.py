@@ -23,16 +23,30 @@ GPU_INDEXER_CASES = [(1, "bf16", 0, 1), (2, "bf16", 1, 1), (4, "fp8_e4m3fn", 2, 
 GPU_INDEXER_ROW_CASES = [(1, "bf16", 4, False), (1, "fp8_e4m3fn", 3, True), (2, "bf16", 2, False),
                          (1, "fp8_e4m3fn", 4, False), (1, "bf16", 2, True)]
 # ... a step's tokens in query tiles (prefills): (index heads, cache dtype, rows, emit_table, dot)
-GPU_INDEXER_TILE_CASES = [(1, "bf16", 64, True, "mma"), (2, "fp8_e4m3fn", 32, False, "mma"), (4, "bf16", 16, False, "mma"),
+GPU_INDEXER_TILE_CASES = [(1, "bf16", 32, True, "mfma"), (2, "bf16", 16, False, "mfma"), (4, "bf16", 8, True, "mfma"),
+                          (1, "bf16", 64, True, "mma"), (2, "fp8_e4m3fn", 32, False, "mma"), (4, "bf16", 16, False, "mma"),
                           (1, "bf16", 32, False, "mma"), (1, "fp8_e4m3fn", 32, True, "mma"), (2, "bf16", 16, True, "mma"),
                           (4, "fp8_e4m3fn", 8, False, "mma"), (1, "bf16", 8, False, "mma"), (1, "bf16", 8, False, "fma"),
                           (1, "fp8_e4m3fn", 4, True, "fma"), (2, "bf16", 4, True, "fma"), (4, "fp8_e4m3fn", 2, False, "fma")]
 # ... a block table as wide as vLLM's for a 1M-token context, each group split by its own
 # candidates: (rows, tiled, dot, init blocks, local blocks)
 GPU_INDEXER_WIDE_TABLE_CASES = [(1, False, "fma", 0, 1), (4, False, "mma", 0, 1), (8, True, "fma", 1, 1),
-                                (32, True, "mma", 1, 1)]
-# ... each with both ways of taking @score's dot products on CUDA (IndexTopkGpuSpec.dot)
+                                (32, True, "mma", 1, 1), (4, False, "mfma", 0, 1), (32, True, "mfma", 1, 1)]
+# ... each with both ways of taking @score's dot products on CUDA (IndexTopkGpuSpec.dot) and, for
+# bf16 caches, gfx942's MFMA kernel as its emulated twin ("mfma": gpu_indexer_spec)
 GPU_INDEXER_DOTS = ("fma", "mma")
+
+
+def with_dots(cases, kv_at):
+    """`cases` once for each of GPU_INDEXER_DOTS, and those of a bf16 cache (case[kv_at]) for "mfma"
+    too: each case then ends with its dot."""
+    return [(*c, dot) for dot in GPU_INDEXER_DOTS for c in cases] + [(*c, "mfma") for c in cases if c[kv_at] == "bf16"]
+
+
+def gpu_indexer_spec(cfg, *args, dot="fma", **kwargs):
+    """The IndexTopkGpuSpec a GPU test runs on CUDA for `dot`: "mfma" is gfx942's kernel's emulated twin."""
+    from msa_iree.ops import IndexTopkGpuSpec
+    return IndexTopkGpuSpec(cfg, *args, dot=dot, emulate_mfma=dot == "mfma", **kwargs)
 # e4m3fn index queries against an e4m3fn cache (fp8_queries): (index heads, rows, tiled, emit_table, dot)
 GPU_INDEXER_FP8_QUERY_CASES = [(1, 1, False, False, "fma"), (1, 1, False, True, "mma"), (2, 2, False, False, "mma"),
                                (1, 4, False, True, "fma"), (1, 64, True, True, "mma"), (2, 4, True, False, "fma")]
@@ -94,19 +108,21 @@ def gpu_test_specs():
     from msa_iree.ops import IndexTopkGpuSpec, indexer_set  # the hand-written indexer (test_gpu's GPU indexer tests)
     from msa_iree.ops.indexer import indexer_config
     from msa_iree.ops.tuning import INDEXER_TILED
-    for dot in GPU_INDEXER_DOTS:
-        for heads, kv, init, local in GPU_INDEXER_CASES:
-            specs += [IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, init, local, emit_table=emit, dot=dot)
-                      for emit in (False, True)]
-        for heads, kv, L, emit in GPU_INDEXER_ROW_CASES:
-            specs.append(IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, 0, 1, emit_table=emit, rows=L, dot=dot))
-    specs += [IndexTopkGpuSpec(indexer_config(heads, kv, "bf16"), 16, 1, 1, emit_table=emit, rows=rows, tiled=True, dot=dot)
+    for heads, kv, init, local, dot in with_dots(GPU_INDEXER_CASES, 1):
+        specs += [gpu_indexer_spec(indexer_config(heads, kv, "bf16"), 16, init, local, emit_table=emit, dot=dot)
+                  for emit in (False, True)]
+    for heads, kv, L, emit, dot in with_dots(GPU_INDEXER_ROW_CASES, 1):
+        specs.append(gpu_indexer_spec(indexer_config(heads, kv, "bf16"), 16, 0, 1, emit_table=emit, rows=L, dot=dot))
+    specs += [gpu_indexer_spec(indexer_config(heads, kv, "bf16"), 16, 1, 1, emit_table=emit, rows=rows, tiled=True,
+                               dot=dot)
               for heads, kv, rows, emit, dot in GPU_INDEXER_TILE_CASES]
     specs += [IndexTopkGpuSpec(indexer_config(heads, "fp8_e4m3fn", "bf16"), 16, 1, 1, emit_table=emit, rows=rows,
                                tiled=tiled, dot=dot, fp8_queries=True)
               for heads, rows, tiled, emit, dot in GPU_INDEXER_FP8_QUERY_CASES]
-    specs += [IndexTopkGpuSpec(indexer_config(1, "bf16", "bf16"), 16, init, local, rows=rows, tiled=tiled, dot=dot)
+    specs += [gpu_indexer_spec(indexer_config(1, "bf16", "bf16"), 16, init, local, rows=rows, tiled=tiled, dot=dot)
               for rows, tiled, dot, init, local in GPU_INDEXER_WIDE_TABLE_CASES]
+    # the hand-made request and the long contexts (bf16 keys: 64 and 8,192 columns)
+    specs.append(gpu_indexer_spec(indexer_config(1, "bf16", "bf16"), dot="mfma"))
     # runtime.Indexer's for an e4m3fn cache's e4m3fn queries (what the vLLM plugin serves it with)
     specs += indexer_set(indexer_config(1, "fp8_e4m3fn", "bf16"), "cuda", fp8_queries=True).specs()
     for kv in ("bf16", "fp8_e4m3fn"):  # runtime.Indexer's, and the benchmark's (both dots: its A/B)

@@ -1077,32 +1077,28 @@ def _gpu_topk(lib, spec, q, cache, table, req, pos, extra_rows=0):
     return out.cpu()
 
 
-@pytest.mark.parametrize("dot", gpu_cases.GPU_INDEXER_DOTS)
-@pytest.mark.parametrize("heads, cache_dtype, init, local", gpu_cases.GPU_INDEXER_CASES)
+@pytest.mark.parametrize("heads, cache_dtype, init, local, dot", gpu_cases.with_dots(gpu_cases.GPU_INDEXER_CASES, 1))
 def test_the_gpu_indexer_is_the_reference(cuda_kernels, heads, cache_dtype, init, local, dot):
     """The hand-written scores and top-k: ids and order exactly the reference's (block edges, a
     padded row, ties, a NaN score, forced init and local blocks), rows past the step untouched."""
-    from msa_iree.ops import IndexTopkGpuSpec
     from test_indexer_kernel import case
 
     gen = torch.Generator().manual_seed(heads * 10 + init + 5)
     args = case(gen, heads, DTYPES[cache_dtype])
     want = R.index_topk(*args, init_blocks=init, local_blocks=local)
-    spec = IndexTopkGpuSpec(indexer_config(heads, cache_dtype, "bf16"), 16, init, local, dot=dot)
+    spec = gpu_cases.gpu_indexer_spec(indexer_config(heads, cache_dtype, "bf16"), 16, init, local, dot=dot)
     got = _gpu_topk(cuda_kernels, spec, *args, extra_rows=3)
     n = args[0].shape[0]
     assert torch.equal(got[:, :n], want)
     assert got[:, n:].eq(-7).all()
 
 
-@pytest.mark.parametrize("dot", gpu_cases.GPU_INDEXER_DOTS)
-@pytest.mark.parametrize("heads, cache_dtype, init, local", gpu_cases.GPU_INDEXER_CASES)
+@pytest.mark.parametrize("heads, cache_dtype, init, local, dot", gpu_cases.with_dots(gpu_cases.GPU_INDEXER_CASES, 1))
 def test_the_gpu_indexer_emits_the_attends_table_in_the_same_launch(cuda_kernels, heads, cache_dtype, init, local, dot):
     """emit_table: the top-k as without it, and the attend's page-16 table for it through the
     attention group's own block table exactly reference.build_sparse_block_table_prefill's (the own
     block last, zeros past the row's pages, a padded row empty; local 0: rows whose own block is
     not picked), rows past the step untouched."""
-    from msa_iree.ops import IndexTopkGpuSpec
     from test_indexer_kernel import case
 
     dev = torch.device("cuda")
@@ -1111,7 +1107,8 @@ def test_the_gpu_indexer_emits_the_attends_table_in_the_same_launch(cuda_kernels
     attend_bt = torch.randperm(200, generator=gen)[:table.numel()].reshape(table.shape).int()
     want = R.index_topk(q, cache, table, req, pos, init_blocks=init, local_blocks=local)
     want_bt, want_ctx = R.build_sparse_block_table_prefill(want, attend_bt, req, pos, 16)
-    spec = IndexTopkGpuSpec(indexer_config(heads, cache_dtype, "bf16"), 16, init, local, emit_table=True, dot=dot)
+    spec = gpu_cases.gpu_indexer_spec(indexer_config(heads, cache_dtype, "bf16"), 16, init, local, emit_table=True,
+                                      dot=dot)
     n = q.shape[0]
     raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
     topk = torch.full((heads, n, 16), -7, dtype=torch.int32, device=dev)
@@ -1126,14 +1123,12 @@ def test_the_gpu_indexer_emits_the_attends_table_in_the_same_launch(cuda_kernels
     assert sbt[n:].eq(-7).all() and sctx[n:].eq(-7).all()
 
 
-@pytest.mark.parametrize("dot", gpu_cases.GPU_INDEXER_DOTS)
-@pytest.mark.parametrize("heads, cache_dtype, L, emit", gpu_cases.GPU_INDEXER_ROW_CASES)
+@pytest.mark.parametrize("heads, cache_dtype, L, emit, dot", gpu_cases.with_dots(gpu_cases.GPU_INDEXER_ROW_CASES, 1))
 def test_the_gpu_indexer_scores_a_requests_decode_tokens_together(cuda_kernels, heads, cache_dtype, L, emit, dot):
     """rows = L: a workgroup scores one request's L decode tokens from each key load, each token
     with its own position, candidates and forced blocks: ids and order (and with emit_table the
     attend's table) exactly the reference's, for tokens that straddle a block edge, a padded
     request, a request of fewer than 16 blocks ending at a block edge and one of 1,000 blocks."""
-    from msa_iree.ops import IndexTopkGpuSpec
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(100 * L + heads)
@@ -1147,7 +1142,7 @@ def test_the_gpu_indexer_scores_a_requests_decode_tokens_together(cuda_kernels, 
     n = len(pos)
     q = torch.randn(n, heads, 128, generator=gen).to(torch.bfloat16)
     want = R.index_topk(q, cache, table, req, pos)
-    spec = IndexTopkGpuSpec(indexer_config(heads, cache_dtype, "bf16"), rows=L, emit_table=emit, dot=dot)
+    spec = gpu_cases.gpu_indexer_spec(indexer_config(heads, cache_dtype, "bf16"), rows=L, emit_table=emit, dot=dot)
     raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
     topk = torch.full((heads, n, 16), -7, dtype=torch.int32, device=dev)
     outs = [topk]
@@ -1176,7 +1171,6 @@ def test_the_gpu_indexer_scores_query_tiles_together(cuda_kernels, heads, cache_
     table) exactly the reference's for a decode token, chunks of 13 tokens across a block edge,
     of 72 (a tile and 8) across one, of 1 and of 70 at the end of a `cols`-block request, a request
     of no tokens between them, init and local blocks forced; rows past the step untouched."""
-    from msa_iree.ops import IndexTopkGpuSpec
     from msa_iree.ops.indexer_gpu import QUERY_TILE
 
     dev = torch.device("cuda")
@@ -1195,7 +1189,7 @@ def test_the_gpu_indexer_scores_query_tiles_together(cuda_kernels, heads, cache_
     n = len(pos)
     q = torch.randn(n, heads, 128, generator=gen).to(torch.bfloat16)
     want = R.index_topk(q, cache, table, req, pos, init_blocks=1, local_blocks=1)
-    spec = IndexTopkGpuSpec(indexer_config(heads, cache_dtype, "bf16"), 16, 1, 1, rows=rows, tiled=True,
+    spec = gpu_cases.gpu_indexer_spec(indexer_config(heads, cache_dtype, "bf16"), 16, 1, 1, rows=rows, tiled=True,
                             emit_table=emit, dot=dot)
     raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
     topk = torch.full((heads, n + 3, 16), -7, dtype=torch.int32, device=dev)
@@ -1263,30 +1257,29 @@ def test_the_gpu_indexer_takes_fp8_queries(cuda_kernels, heads, rows, tiled, emi
         assert torch.equal(outs[2][:n].reshape(n * heads).cpu(), want_ctx)
 
 
-@pytest.mark.parametrize("dot", gpu_cases.GPU_INDEXER_DOTS)
+@pytest.mark.parametrize("dot", gpu_cases.GPU_INDEXER_DOTS + ("mfma",))
 def test_the_gpu_indexer_ranks_the_hand_made_request(cuda_kernels, dot):
     """Block 0 scores 1, blocks 1 and 2 tie at 3, block 3 holds a NaN, block 4 scores -5, the own
     block (4) forced local: [4, 1, 2, 0, 3, -1, ...] (test_indexer_kernel's vector)."""
-    from msa_iree.ops import IndexTopkGpuSpec
 
     q = torch.zeros(1, 1, 128, dtype=torch.bfloat16)
     q[0, 0, 0] = 1
     keys = torch.zeros(5, 128, 128)
     for b, v in enumerate([1.0, 3.0, 3.0, float("nan"), -5.0]):
         keys[b, :, 0] = v
-    got = _gpu_topk(cuda_kernels, IndexTopkGpuSpec(indexer_config(1, "bf16", "bf16"), dot=dot), q, keys.to(torch.bfloat16),
+    got = _gpu_topk(cuda_kernels, gpu_cases.gpu_indexer_spec(indexer_config(1, "bf16", "bf16"), dot=dot), q,
+                    keys.to(torch.bfloat16),
                     torch.arange(5, dtype=torch.int32)[None], torch.zeros(1, dtype=torch.int32),
                     torch.tensor([4 * 128 + 10], dtype=torch.int32))
     assert got[0, 0].tolist() == [4, 1, 2, 0, 3] + [-1] * 11
 
 
-@pytest.mark.parametrize("dot", gpu_cases.GPU_INDEXER_DOTS)
-@pytest.mark.parametrize("cols, cache_dtype", [(64, "bf16"), (1000, "fp8_e4m3fn"), (8192, "bf16")])
+@pytest.mark.parametrize("cols, cache_dtype, dot",
+                         gpu_cases.with_dots([(64, "bf16"), (1000, "fp8_e4m3fn"), (8192, "bf16")], 1))
 def test_the_gpu_indexer_over_long_contexts_is_the_reference(cuda_kernels, cols, cache_dtype, dot):
     """Both split rules (8 blocks a split up to 512 candidates, then candidates / 64) up to 8,192
     columns (1,048,576 tokens): rows at a request's last, first and block-edge positions and four
     consecutive (speculative decode) positions, random keys; ids and order exactly the reference's."""
-    from msa_iree.ops import IndexTopkGpuSpec
 
     gen = torch.Generator().manual_seed(cols)
     blocks = cols + 8
@@ -1297,7 +1290,8 @@ def test_the_gpu_indexer_over_long_contexts_is_the_reference(cuda_kernels, cols,
     req = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1], dtype=torch.int32)
     q = torch.randn(len(pos), 1, 128, generator=gen).to(torch.bfloat16)
     want = R.index_topk(q, cache, table, req, pos)
-    got = _gpu_topk(cuda_kernels, IndexTopkGpuSpec(indexer_config(1, cache_dtype, "bf16"), dot=dot), q, cache, table, req, pos)
+    got = _gpu_topk(cuda_kernels, gpu_cases.gpu_indexer_spec(indexer_config(1, cache_dtype, "bf16"), dot=dot), q, cache,
+                    table, req, pos)
     assert torch.equal(got, want)
 
 
@@ -1309,7 +1303,6 @@ def test_the_gpu_indexer_splits_each_group_by_its_own_candidates(cuda_kernels, r
     the one, 9 for the other) merges the splits its group gave it: ids and order exactly the
     reference's for requests of 1, 16, 17, 32, 512 / 513 and 700 candidate blocks, a padded one,
     init and local blocks forced; rows past the step untouched."""
-    from msa_iree.ops import IndexTopkGpuSpec
     from msa_iree.ops.indexer_gpu import QUERY_TILE
 
     dev = torch.device("cuda")
@@ -1330,7 +1323,8 @@ def test_the_gpu_indexer_splits_each_group_by_its_own_candidates(cuda_kernels, r
     assert {1, 16, 17, 32, 512, 513, 700} <= set(cand.tolist()) and 0 in cand.tolist()
     q = torch.randn(n, 1, 128, generator=gen).to(torch.bfloat16)
     want = R.index_topk(q, cache, table, req, pos, init_blocks=init, local_blocks=local)
-    spec = IndexTopkGpuSpec(indexer_config(1, "bf16", "bf16"), 16, init, local, rows=rows, tiled=tiled, dot=dot)
+    spec = gpu_cases.gpu_indexer_spec(indexer_config(1, "bf16", "bf16"), 16, init, local, rows=rows, tiled=tiled,
+                                      dot=dot)
     topk = torch.full((1, n + 3, 16), -7, dtype=torch.int32, device=dev)
     ws = torch.full((spec.workspace_floats(n, cols),), float("nan"), device=dev)
     if tiled:

@@ -165,9 +165,20 @@ INDEX_INSERT = [K.IndexCacheInsertGpuSpec(MsaConfig(kv_dtype=kv)) for kv in ("bf
 
 # the tensor-core scoring (CUDA only)
 GPU_INDEXER_MMA = [dataclasses.replace(s, dot="mma") for s in GPU_INDEXER]
+# gfx942's matrix-core scoring (bf16 keys and queries): one token, a decode step's tokens (one and
+# two index heads, with the table), query tiles of one and four index heads; and its CUDA twin
+GPU_INDEXER_MFMA = [K.IndexTopkGpuSpec(MsaConfig(), 16, 0, 1, dot="mfma"),
+                    K.IndexTopkGpuSpec(MsaConfig(), 16, 0, 1, rows=4, dot="mfma"),
+                    K.IndexTopkGpuSpec(MsaConfig(num_heads=32, num_kv_heads=2), 16, 1, 1, emit_table=True, rows=2,
+                                       dot="mfma"),
+                    K.IndexTopkGpuSpec(MsaConfig(), 16, 1, 1, emit_table=True, rows=32, tiled=True, dot="mfma"),
+                    K.IndexTopkGpuSpec(MsaConfig(num_heads=64, num_kv_heads=4), 16, 0, 1, rows=8, tiled=True,
+                                       dot="mfma")]
+GPU_INDEXER_MFMA_TWIN = [dataclasses.replace(s, emulate_mfma=True) for s in GPU_INDEXER_MFMA]
 
 
-@pytest.mark.parametrize("spec", DECODE + INSERT + PAGED_CUDA + INDEXER + GPU_INDEXER + GPU_INDEXER_MMA + INDEX_INSERT,
+@pytest.mark.parametrize("spec", DECODE + INSERT + PAGED_CUDA + INDEXER + GPU_INDEXER + GPU_INDEXER_MMA + GPU_INDEXER_MFMA_TWIN
+                         + INDEX_INSERT,
                          ids=lambda s: s.name)
 def test_compiles_for_cuda(tmp_path, spec):
     manifest = C.build(None, ["cuda"], tmp_path, specs=[spec], log=lambda m: None)["cuda"]
@@ -262,6 +273,64 @@ def test_gfx942_indexer_isa(tmp_path):
         [f"%at{e}" for e in range(4)] + [f"%ati{e}" for e in range(4)] + ["%rec_at"])
 
 
+def test_gfx942_mfma_indexer_isa(tmp_path):
+    """gfx942's MFMA indexer (compiled, never run here; its numerics run on CUDA as the emulated
+    twin): two dispatches, no scratch, >= 4 waves per SIMD, @score's dot products all on
+    v_mfma_f32_16x16x16_bf16 (a block's 8 k-steps a tile for each group of 16 columns, at least
+    the tiles of one loop step) with no lane-wise products, the keys and queries in 16-byte
+    loads (a tile's 4 a lane, and each column group's 4), @merge with no MFMA."""
+    C.build(None, ["gfx942"], tmp_path, specs=GPU_INDEXER_MFMA, log=lambda m: None)
+    report = {r["kernel"]: r for r in kernel_report(tmp_path)}
+    for spec in GPU_INDEXER_MFMA:
+        functions = {f["function"]: f for f in report[spec.name]["functions"]}
+        assert report[spec.name]["dispatches"] == 2 and set(functions) == {"score", "merge"}
+        for f in functions.values():
+            assert f["scratch_bytes"] == 0 and f["scratch_ops"] == 0 and f["waves_per_simd"] >= 4, (spec.name, f)
+        groups = -(-spec.rows * spec.cfg.num_kv_heads // 16)
+        tiles = spec.tuning.mfma_tiles
+        score = functions["score"]
+        assert score["mfma"] >= 8 * groups * tiles and functions["merge"]["mfma"] == 0, (spec.name, score)
+        assert score["global_load_x4"] >= 4 * tiles + 4 * groups, (spec.name, score)
+        text = "".join(f.read_text() for f in (tmp_path / "isa" / spec.name).glob("*.rocmasm"))
+        body = text[text.index("\nscore:"):]
+        body = body[:body.index("\nmerge:")] if "\nmerge:" in body else body
+        assert set(re.findall(r"v_mfma\w*", body)) == {"v_mfma_f32_16x16x16_bf16"}
+        # (the lane-wise score has 36-68 f32 multiplies and FMAs; the split count's 64-bit
+        # division a few)
+        assert len(re.findall(r"v_(pk_)?(fma|fmac|mul)_f32", body)) < 16, spec.name
+
+
+def test_the_mfma_indexer_is_gfx942s_and_its_twin_cudas():
+    """dot="mfma" compiles for gfx942 only and emulate_mfma (its twin) for CUDA only, each named
+    apart; both take bf16 keys and queries only; gfx942 does not serve it before its twin has
+    run (tuning.INDEXER_DOT); the tuning knobs refuse what the template cannot tile."""
+    native, twin = GPU_INDEXER_MFMA[3], GPU_INDEXER_MFMA_TWIN[3]
+    with pytest.raises(ValueError, match="target: dot='mfma' compiles for gfx942, got cuda"):
+        native.target_flags("cuda")
+    with pytest.raises(ValueError, match="target: dot='mfma' with emulate_mfma compiles for cuda, got gfx942"):
+        twin.target_flags("gfx942")
+    assert native.name.endswith(".mfma2wpe4.t32.emit") and twin.name.endswith(".mfma2emu.t32.emit")
+    assert "rocdl.waves_per_eu = 4 : i32" in native.render() and "waves_per_eu" not in twin.render()
+    assert "llvm.amdgcn.mfma" in native.render() and "llvm.amdgcn.mfma" not in twin.render()
+    with pytest.raises(ValueError, match="kv_dtype, query_dtype: expected a bf16 index cache and bf16 index queries "
+                                         "for dot='mfma' .* got fp8_e4m3fn, bf16"):
+        K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), dot="mfma")
+    with pytest.raises(ValueError, match="kv_dtype, query_dtype: .* got bf16, fp16"):
+        K.IndexTopkGpuSpec(MsaConfig(query_dtype="fp16"), dot="mfma")
+    with pytest.raises(ValueError, match="emulate_mfma: expected dot='mfma' .* got dot='mma'"):
+        K.IndexTopkGpuSpec(MsaConfig(), dot="mma", emulate_mfma=True)
+    with pytest.raises(ValueError, match="rows: expected a divisor of the 64-token query tile with rows x index heads "
+                                         "<= 64 for tiled=True and dot='mfma', got 128 with 1"):
+        K.IndexTopkGpuSpec(MsaConfig(), rows=128, tiled=True, dot="mfma")
+    with pytest.raises(ValueError, match="IndexerTuning.mfma_tiles, tile_row_heads_mfma: .* got 3, 32"):
+        IndexerTuning(mfma_tiles=3)
+    with pytest.raises(ValueError, match="IndexerTuning.mfma_tiles, tile_row_heads_mfma: .* got 2, 8"):
+        IndexerTuning(tile_row_heads_mfma=8)
+    assert INDEXER_TILED.tile_rows(1, "mfma") == 32 and INDEXER_TILED.tile_rows(4, "mfma") == 8
+    served = K.indexer_set(MsaConfig(), "gfx942")
+    assert {s.dot for s in served.topk_gpu.values()} | {served.gpu_tiled().dot} == {"fma"}
+
+
 def test_gfx942_index_insert_isa(tmp_path):
     """The index-cache insert on gfx942 (compiled, never run here): one dispatch, no scratch, no LDS."""
     C.build(None, ["gfx942"], tmp_path, specs=INDEX_INSERT, log=lambda m: None)
@@ -314,7 +383,7 @@ def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows):
 def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
     with pytest.raises(ValueError, match="target: dot='mma' compiles for cuda, got gfx942"):
         GPU_INDEXER_MMA[0].target_flags("gfx942")
-    with pytest.raises(ValueError, match="dot: expected one of \\['fma', 'mma'\\], got 'wmma'"):
+    with pytest.raises(ValueError, match="dot: expected one of \\['fma', 'mfma', 'mma'\\], got 'wmma'"):
         K.IndexTopkGpuSpec(MsaConfig(), dot="wmma")
     with pytest.raises(ValueError, match="query_dtype: expected bf16 index queries for dot='mma'"):
         K.IndexTopkGpuSpec(MsaConfig(query_dtype="fp16"), dot="mma")

@@ -6,7 +6,9 @@ Two dispatches: @score (a workgroup per (split, token): the split's block scores
 head's top-16 of them into the workspace) and @merge (a workgroup per (token, head): the splits'
 top-16s merged into the row's). GPU targets only (llvm-cpu cannot lower gpu.thread_id); the host
 runs the portable kernel. `dot="fma"` compiles for CUDA and gfx942 (run on CUDA only: no AMD GPU
-here), `dot="mma"` (tensor cores; which one CUDA serves: tuning.INDEXER_DOT) for CUDA only.
+here), `dot="mma"` (tensor cores; which one CUDA serves: tuning.INDEXER_DOT) for CUDA only,
+`dot="mfma"` (matrix cores, bf16 keys) for gfx942 only: compiled and inspected, NEVER RUN, and not
+served until its emulated twin (`emulate_mfma`, CUDA, tests only) has passed on an NVIDIA GPU.
 
 Shapes: T tokens, H index heads, C index block-table columns (at most 8,192: 1M tokens).
 """
@@ -55,18 +57,26 @@ class IndexTopkGpuSpec(TemplateSpec):
     # and gfx942) or "mma" (CUDA tensor cores: a warp's 16 positions x 128 dims against the rows'
     # and heads' queries as one m16n8k16 bf16 chain, fp8 keys converted exactly to bf16 first, as
     # vLLM's Triton indexer does; sm_89+ for fp8, whose e4m3 -> f16 conversion is the hardware's)
+    # or "mfma" (gfx942 matrix cores, bf16 keys and queries: a wave's 16 positions x 128 dims
+    # against up to 4 groups of 16 (row, head) columns as v_mfma_f32_16x16x16_bf16 chains)
     dot: str = "fma"
+    # TEST ONLY (dot="mfma"): the gfx942 text for CUDA with every MFMA computed by the 64 threads of
+    # the emulated wave through LDS and its xor-32 shuffle through LDS, so that an NVIDIA GPU runs
+    # and checks the MFMA kernel's tile mapping, masks and reductions (slow: two barriers an MFMA)
+    emulate_mfma: bool = False
 
     kernel = "index_topk_gpu"
     template = "index_topk_gpu.mlir.j2"
     targets = ("cuda", "gfx942")
     output_storage = True
     INDEX_HEADS = (1, 2, 4)      # a team of the 8 selects each head's top-16
-    DOTS = {"fma": ("cuda", "gfx942"), "mma": ("cuda",)}   # the targets each dot compiles for
+    # the targets each dot compiles for ("mfma" with emulate_mfma: cuda only)
+    DOTS = {"fma": ("cuda", "gfx942"), "mma": ("cuda",), "mfma": ("gfx942",)}
     # the most (token, head) columns a tiled workgroup scores: lane-wise, 8 (a register each);
     # on tensor cores, sets of 32 (4 groups of an m16n8k16's 8 columns sharing each key fragment),
     # each of a block's sets its own team's
-    TILE_ROW_HEADS = {"fma": 8, "mma": 64}
+    # on matrix cores, up to 4 groups of the MFMA's 16 columns sharing each key fragment
+    TILE_ROW_HEADS = {"fma": 8, "mma": 64, "mfma": 64}
 
     def __post_init__(self):
         if self.tuning is None:
@@ -84,6 +94,12 @@ class IndexTopkGpuSpec(TemplateSpec):
         if self.dot == "mma" and self.cfg.query_dtype != "bf16" and not self.fp8_queries:
             raise ValueError(f"query_dtype: expected bf16 index queries for dot='mma' (a bf16 tensor-core dot), "
                              f"got {self.cfg.query_dtype}")
+        if self.dot == "mfma" and (self.cfg.kv_dtype, index_q_dtype(self.cfg, self.fp8_queries)) != ("bf16", "bf16"):
+            raise ValueError(f"kv_dtype, query_dtype: expected a bf16 index cache and bf16 index queries for "
+                             f"dot='mfma' (a bf16 matrix-core dot; gfx942 scores e4m3fn keys lane-wise), got "
+                             f"{self.cfg.kv_dtype}, {index_q_dtype(self.cfg, self.fp8_queries)}")
+        if self.emulate_mfma and self.dot != "mfma":
+            raise ValueError(f"emulate_mfma: expected dot='mfma' (the twin of the MFMA kernel), got dot={self.dot!r}")
         if self.tiled:
             most = self.TILE_ROW_HEADS[self.dot]
             if QUERY_TILE % self.rows or self.rows * self.cfg.num_kv_heads > most:
@@ -105,8 +121,10 @@ class IndexTopkGpuSpec(TemplateSpec):
         return 89 if self.dot == "mma" and self.cfg.is_fp8 else None
 
     def target_flags(self, target: str) -> list[str]:
-        if target not in self.DOTS[self.dot]:
-            raise ValueError(f"target: dot={self.dot!r} compiles for {' and '.join(self.DOTS[self.dot])}, got {target}")
+        allowed = ("cuda",) if self.emulate_mfma else self.DOTS[self.dot]
+        if target not in allowed:
+            what = f"dot={self.dot!r}" + (" with emulate_mfma" if self.emulate_mfma else "")
+            raise ValueError(f"target: {what} compiles for {' and '.join(allowed)}, got {target}")
         return super().target_flags(target)
 
     @classmethod
@@ -128,12 +146,15 @@ class IndexTopkGpuSpec(TemplateSpec):
         t, c = self.tuning, self.cfg
         if self.dot == "mma":
             return f".mma{t.tiles_for(c.is_fp8)}" + (f"cta{t.min_ctas_per_sm}" if t.min_ctas_per_sm else "")
+        if self.dot == "mfma":
+            return (f".mfma{t.mfma_tiles}" + (f"wpe{t.mfma_waves_per_eu}" if t.mfma_waves_per_eu and not self.emulate_mfma else "")
+                    + ("emu" if self.emulate_mfma else ""))
         return f"u{t.loads_for(self.rows, c.num_kv_heads, c.is_fp8)}"
 
     def describe(self) -> dict:
         return {**super().describe(), "init_blocks": self.init_blocks, "local_blocks": self.local_blocks,
                 "emit_table": self.emit_table, "rows": self.rows, "tiled": self.tiled, "dot": self.dot,
-                "fp8_queries": self.fp8_queries,
+                "fp8_queries": self.fp8_queries, "emulate_mfma": self.emulate_mfma,
                 "tuning": dataclasses.asdict(self.tuning)}
 
     def render(self) -> str:
@@ -144,7 +165,9 @@ class IndexTopkGpuSpec(TemplateSpec):
                                INIT=self.init_blocks, LOCAL=self.local_blocks, MIN_BPS=t.min_blocks_per_split,
                                MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
                                ROWS=self.rows, TILED=self.tiled, QUERY_TILE=QUERY_TILE, DOT=self.dot,
-                               TILES=t.tiles_for(c.is_fp8), MIN_CTAS=t.min_ctas_per_sm if self.dot == "mma" else None,
+                               TILES=t.tiles_for(c.is_fp8, self.dot), EMULATE=self.emulate_mfma,
+                               WAVES_PER_EU=t.mfma_waves_per_eu if self.dot == "mfma" and not self.emulate_mfma else None,
+                               MIN_CTAS=t.min_ctas_per_sm if self.dot == "mma" else None,
                                NCS=self.column_sets, MERGE_ROWS=t.merge_rows,
                                MERGE_SPT=t.merge_splits_per_team)
 

@@ -120,6 +120,13 @@ class IndexerTuning:
     # a tiled (prefill) workgroup on tensor cores: (token, head) pairs sharing each key fragment
     # (groups of the m16n8k16's 8 columns; decision record in benchmarks/PERF.md)
     tile_row_heads_mma: int = 32
+    # dot="mfma" (gfx942 matrix cores): tiles of 16 positions a wave has in flight, and a tiled
+    # workgroup's (token, head) pairs (groups of the MFMA's 16 columns sharing each key fragment)
+    mfma_tiles: int = 2
+    tile_row_heads_mfma: int = 32
+    # dot="mfma": @score's waves per SIMD asked of gfx942's register allocator (caps its VGPRs at
+    # 512 / this; None: its own choice)
+    mfma_waves_per_eu: int | None = 4
     # dot="mma" (CUDA): @score's workgroups per SM asked of ptxas (caps its registers at 65536 /
     # (256 x this); None: ptxas's choice; decision record in benchmarks/PERF.md)
     min_ctas_per_sm: int | None = 2
@@ -141,6 +148,10 @@ class IndexerTuning:
         if self.tile_row_heads_mma not in (8, 16, 32, 64):
             raise ValueError(f"IndexerTuning.tile_row_heads_mma: expected 8, 16, 32 or 64 (groups of an m16n8k16's "
                              f"8 columns, at most 4 a team, at most 2 teams a block), got {self.tile_row_heads_mma}")
+        if self.mfma_tiles not in (1, 2, 4, 8) or self.tile_row_heads_mfma not in (16, 32, 64):
+            raise ValueError(f"IndexerTuning.mfma_tiles, tile_row_heads_mfma: expected 1, 2, 4 or 8 tiles (a divisor "
+                             f"of a block's 8) and 16, 32 or 64 columns (1-4 groups of the MFMA's 16), got "
+                             f"{self.mfma_tiles}, {self.tile_row_heads_mfma}")
         if self.merge_rows not in (1, 2, 4, 8):
             raise ValueError(f"IndexerTuning.merge_rows: expected 1, 2, 4 or 8 rows a workgroup of @merge's 8 teams, "
                              f"got {self.merge_rows}")
@@ -158,8 +169,8 @@ class IndexerTuning:
         # an fp8 load decodes into twice the registers of a bf16 one
         return max(2 if fp8 else 4, self.key_loads // (2 if fp8 else 1) // (rows * heads))
 
-    def tiles_for(self, fp8: bool) -> int:
-        return self.mma_tiles_fp8 if fp8 else self.mma_tiles
+    def tiles_for(self, fp8: bool, dot: str = "mma") -> int:
+        return self.mfma_tiles if dot == "mfma" else self.mma_tiles_fp8 if fp8 else self.mma_tiles
 
     def rows_for(self, decode_query_len: int, num_index_heads: int) -> int:
         """Tokens of a request scored together in a decode step of L = decode_query_len tokens a
@@ -169,8 +180,9 @@ class IndexerTuning:
 
     def tile_rows(self, num_index_heads: int, dot: str) -> int:
         """Tokens of a query tile a tiled workgroup scores together: tile_row_heads_mma (token,
-        head) pairs on tensor cores, max_row_heads lane-wise."""
-        return max(1, (self.tile_row_heads_mma if dot == "mma" else self.max_row_heads) // num_index_heads)
+        head) pairs on tensor cores, tile_row_heads_mfma on matrix cores, max_row_heads lane-wise."""
+        pairs = {"mma": self.tile_row_heads_mma, "mfma": self.tile_row_heads_mfma}.get(dot, self.max_row_heads)
+        return max(1, pairs // num_index_heads)
 
     def blocks_per_split(self, candidates: int) -> int:
         """Blocks a split scores for a group of rows with `candidates` candidate blocks (the
@@ -197,6 +209,8 @@ INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_h
 
 # how the GPU indexer's @score takes its dot products: (target, index cache dtype) -> (one token a
 # workgroup, a decode step's tokens of a request together); "mma" tensor cores (CUDA), "fma"
-# lane-wise products and shuffle sums (elsewhere: gfx942 until it has an MFMA twin). One bf16
-# token a workgroup reads its keys faster the fma way (benchmarks/PERF.md, decision record).
+# lane-wise products and shuffle sums (elsewhere). One bf16 token a workgroup reads its keys
+# faster the fma way (benchmarks/PERF.md, decision record). gfx942's matrix-core kernel
+# (dot="mfma", bf16 keys) is built and inspected, and its emulated twin is in the GPU tests; it
+# is not served here until that twin has passed on an NVIDIA GPU.
 INDEXER_DOT = {("cuda", "bf16"): ("fma", "mma"), ("cuda", "fp8_e4m3fn"): ("mma", "mma")}
