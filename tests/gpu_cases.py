@@ -49,7 +49,9 @@ def gpu_indexer_spec(cfg, *args, dot="fma", **kwargs):
     return IndexTopkGpuSpec(cfg, *args, dot=dot, emulate_mfma=dot == "mfma", **kwargs)
 # e4m3fn index queries against an e4m3fn cache (fp8_queries): (index heads, rows, tiled, emit_table, dot)
 GPU_INDEXER_FP8_QUERY_CASES = [(1, 1, False, False, "fma"), (1, 1, False, True, "mma"), (2, 2, False, False, "mma"),
-                               (1, 4, False, True, "fma"), (1, 64, True, True, "mma"), (2, 4, True, False, "fma")]
+                               (1, 4, False, True, "fma"), (1, 64, True, True, "mma"), (2, 4, True, False, "fma"),
+                               (1, 1, False, True, "mfma"), (2, 2, False, False, "mfma"), (1, 32, True, True, "mfma"),
+                               (4, 8, True, False, "mfma")]
 
 GPU_SERVING_CASES = (
     ("bf16", "bf16", "interleaved", 1, "tensor"),
@@ -116,13 +118,14 @@ def gpu_test_specs():
     specs += [gpu_indexer_spec(indexer_config(heads, kv, "bf16"), 16, 1, 1, emit_table=emit, rows=rows, tiled=True,
                                dot=dot)
               for heads, kv, rows, emit, dot in GPU_INDEXER_TILE_CASES]
-    specs += [IndexTopkGpuSpec(indexer_config(heads, "fp8_e4m3fn", "bf16"), 16, 1, 1, emit_table=emit, rows=rows,
+    specs += [gpu_indexer_spec(indexer_config(heads, "fp8_e4m3fn", "bf16"), 16, 1, 1, emit_table=emit, rows=rows,
                                tiled=tiled, dot=dot, fp8_queries=True)
               for heads, rows, tiled, emit, dot in GPU_INDEXER_FP8_QUERY_CASES]
     specs += [gpu_indexer_spec(indexer_config(1, "bf16", "bf16"), 16, init, local, rows=rows, tiled=tiled, dot=dot)
               for rows, tiled, dot, init, local in GPU_INDEXER_WIDE_TABLE_CASES]
     # the hand-made request and the long contexts (bf16 keys: 64 and 8,192 columns)
     specs.append(gpu_indexer_spec(indexer_config(1, "bf16", "bf16"), dot="mfma"))
+    specs.append(gpu_indexer_spec(indexer_config(1, "fp8_e4m3fn", "bf16"), dot="mfma", fp8_queries=True))
     # runtime.Indexer's for an e4m3fn cache's e4m3fn queries (what the vLLM plugin serves it with)
     specs += indexer_set(indexer_config(1, "fp8_e4m3fn", "bf16"), "cuda", fp8_queries=True).specs()
     for kv in ("bf16", "fp8_e4m3fn"):  # runtime.Indexer's, and the benchmark's (both dots: its A/B)

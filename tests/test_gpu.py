@@ -1239,8 +1239,8 @@ def test_the_gpu_indexer_takes_fp8_queries(cuda_kernels, heads, rows, tiled, emi
     n = len(pos)
     q = (2 * torch.randn(n, heads, 128, generator=gen)).to(torch.float8_e4m3fn)
     want = R.index_topk(q, cache, table, req, pos, init_blocks=1, local_blocks=1)
-    spec = IndexTopkGpuSpec(indexer_config(heads, "fp8_e4m3fn", "bf16"), 16, 1, 1, rows=rows, tiled=tiled,
-                            emit_table=emit, dot=dot, fp8_queries=True)
+    spec = gpu_cases.gpu_indexer_spec(indexer_config(heads, "fp8_e4m3fn", "bf16"), 16, 1, 1, rows=rows, tiled=tiled,
+                                      emit_table=emit, dot=dot, fp8_queries=True)
     topk = torch.full((heads, n + 3, 16), -7, dtype=torch.int32, device=dev)
     outs = [topk]
     if emit:
@@ -1272,6 +1272,29 @@ def test_the_gpu_indexer_ranks_the_hand_made_request(cuda_kernels, dot):
                     torch.arange(5, dtype=torch.int32)[None], torch.zeros(1, dtype=torch.int32),
                     torch.tensor([4 * 128 + 10], dtype=torch.int32))
     assert got[0, 0].tolist() == [4, 1, 2, 0, 3] + [-1] * 11
+
+
+def test_the_mfma_twin_reads_e4m3fn_as_e4m3fn(cuda_kernels):
+    """gfx942's fp8 MFMA reads e4m3fnuz: the kernel remaps e4m3fn's -0 (fnuz's NaN) and NaNs (fnuz's
+    +-240) first, and the twin scores the bytes as fnuz would. Block 0 scores 1; block 1 3 with -0
+    in every other dim, keys and query alike; block 2 holds a NaN key (-1e30, below block 3's -5);
+    the own block (4) forced local: [4, 1, 0, 3, 2, -1, ...]."""
+    fn = torch.float8_e4m3fn
+    q = torch.full((1, 1, 128), -0.0).to(fn)
+    q[0, 0, 0] = 1
+    keys = torch.full((5, 128, 128), -0.0)
+    for b, v in enumerate([1.0, 3.0, 0.0, -5.0]):
+        keys[b, :, 0] = v
+    keys[2, 7, 5] = float("nan")
+    keys = keys.to(fn)
+    assert (keys.view(torch.uint8) == 0x80).any() and (keys.view(torch.uint8) & 0x7F == 0x7F).any()
+    table, req, pos = torch.arange(5, dtype=torch.int32)[None], torch.zeros(1, dtype=torch.int32), \
+        torch.tensor([4 * 128 + 10], dtype=torch.int32)
+    want = R.index_topk(q, keys, table, req, pos)
+    assert want[0, 0].tolist() == [4, 1, 0, 3, 2] + [-1] * 11
+    spec = gpu_cases.gpu_indexer_spec(indexer_config(1, "fp8_e4m3fn", "bf16"), dot="mfma", fp8_queries=True)
+    got = _gpu_topk(cuda_kernels, spec, q.view(torch.uint8), keys, table, req, pos)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("cols, cache_dtype, dot",

@@ -173,7 +173,11 @@ GPU_INDEXER_MFMA = [K.IndexTopkGpuSpec(MsaConfig(), 16, 0, 1, dot="mfma"),
                                        dot="mfma"),
                     K.IndexTopkGpuSpec(MsaConfig(), 16, 1, 1, emit_table=True, rows=32, tiled=True, dot="mfma"),
                     K.IndexTopkGpuSpec(MsaConfig(num_heads=64, num_kv_heads=4), 16, 0, 1, rows=8, tiled=True,
-                                       dot="mfma")]
+                                       dot="mfma"),
+                    # e4m3fn keys and queries (remapped to e4m3fnuz) on the fp8 MFMA
+                    K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 0, 1, dot="mfma", fp8_queries=True),
+                    K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 1, 1, emit_table=True, rows=32, tiled=True,
+                                       dot="mfma", fp8_queries=True)]
 GPU_INDEXER_MFMA_TWIN = [dataclasses.replace(s, emulate_mfma=True) for s in GPU_INDEXER_MFMA]
 
 
@@ -276,9 +280,10 @@ def test_gfx942_indexer_isa(tmp_path):
 def test_gfx942_mfma_indexer_isa(tmp_path):
     """gfx942's MFMA indexer (compiled, never run here; its numerics run on CUDA as the emulated
     twin): two dispatches, no scratch, >= 4 waves per SIMD, @score's dot products all on
-    v_mfma_f32_16x16x16_bf16 (a block's 8 k-steps a tile for each group of 16 columns, at least
-    the tiles of one loop step) with no lane-wise products, the keys and queries in 16-byte
-    loads (a tile's 4 a lane, and each column group's 4), @merge with no MFMA."""
+    v_mfma_f32_16x16x16_bf16 or, e4m3fn, v_mfma_f32_16x16x32_fp8_fp8 (a block's 8 / 4 k-steps a
+    tile for each group of 16 columns, at least the tiles of one loop step) with no lane-wise
+    products nor fp8 conversions, the keys and queries in 16-byte loads (a tile's 4 / 2 a lane,
+    and each column group's), @merge with no MFMA."""
     C.build(None, ["gfx942"], tmp_path, specs=GPU_INDEXER_MFMA, log=lambda m: None)
     report = {r["kernel"]: r for r in kernel_report(tmp_path)}
     for spec in GPU_INDEXER_MFMA:
@@ -287,22 +292,24 @@ def test_gfx942_mfma_indexer_isa(tmp_path):
         for f in functions.values():
             assert f["scratch_bytes"] == 0 and f["scratch_ops"] == 0 and f["waves_per_simd"] >= 4, (spec.name, f)
         groups = -(-spec.rows * spec.cfg.num_kv_heads // 16)
-        tiles = spec.tuning.mfma_tiles
+        tiles, loads = spec.tuning.mfma_tiles, 2 if spec.cfg.is_fp8 else 4
         score = functions["score"]
-        assert score["mfma"] >= 8 * groups * tiles and functions["merge"]["mfma"] == 0, (spec.name, score)
-        assert score["global_load_x4"] >= 4 * tiles + 4 * groups, (spec.name, score)
+        assert score["mfma"] >= 2 * loads * groups * tiles and functions["merge"]["mfma"] == 0, (spec.name, score)
+        assert score["global_load_x4"] >= loads * (tiles + groups) and score["cvt_fp8"] == 0, (spec.name, score)
         text = "".join(f.read_text() for f in (tmp_path / "isa" / spec.name).glob("*.rocmasm"))
         body = text[text.index("\nscore:"):]
         body = body[:body.index("\nmerge:")] if "\nmerge:" in body else body
-        assert set(re.findall(r"v_mfma\w*", body)) == {"v_mfma_f32_16x16x16_bf16"}
+        mfma = "v_mfma_f32_16x16x32_fp8_fp8" if spec.cfg.is_fp8 else "v_mfma_f32_16x16x16_bf16"
+        assert set(re.findall(r"v_mfma\w*", body)) == {mfma}
         # (the lane-wise score has 36-68 f32 multiplies and FMAs; the split count's 64-bit
         # division a few)
         assert len(re.findall(r"v_(pk_)?(fma|fmac|mul)_f32", body)) < 16, spec.name
 
 
 def test_the_mfma_indexer_is_gfx942s_and_its_twin_cudas():
-    """dot="mfma" compiles for gfx942 only and emulate_mfma (its twin) for CUDA only, each named
-    apart; both take bf16 keys and queries only; gfx942 does not serve it before its twin has
+    """dot="mfma" compiles for gfx942 only and emulate_mfma (its twin) for CUDA only (sm_89 for
+    its fp8 operands' conversion), each named apart; both take bf16 keys and queries or e4m3fn
+    keys and queries only; gfx942 does not serve it before its twin has
     run (tuning.INDEXER_DOT); the tuning knobs refuse what the template cannot tile."""
     native, twin = GPU_INDEXER_MFMA[3], GPU_INDEXER_MFMA_TWIN[3]
     with pytest.raises(ValueError, match="target: dot='mfma' compiles for gfx942, got cuda"):
@@ -312,9 +319,11 @@ def test_the_mfma_indexer_is_gfx942s_and_its_twin_cudas():
     assert native.name.endswith(".mfma2wpe4.t32.emit") and twin.name.endswith(".mfma2emu.t32.emit")
     assert "rocdl.waves_per_eu = 4 : i32" in native.render() and "waves_per_eu" not in twin.render()
     assert "llvm.amdgcn.mfma" in native.render() and "llvm.amdgcn.mfma" not in twin.render()
-    with pytest.raises(ValueError, match="kv_dtype, query_dtype: expected a bf16 index cache and bf16 index queries "
-                                         "for dot='mfma' .* got fp8_e4m3fn, bf16"):
+    with pytest.raises(ValueError, match="kv_dtype, query_dtype: expected a bf16 index cache with bf16 index queries "
+                                         "or an fp8_e4m3fn one with fp8_e4m3fn queries .* got fp8_e4m3fn, bf16"):
         K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), dot="mfma")
+    assert GPU_INDEXER_MFMA_TWIN[5].cuda_arch == 89 and GPU_INDEXER_MFMA_TWIN[0].cuda_arch is None
+    assert "llvm.amdgcn.mfma.f32.16x16x32.fp8.fp8" in GPU_INDEXER_MFMA[5].render()
     with pytest.raises(ValueError, match="kv_dtype, query_dtype: .* got bf16, fp16"):
         K.IndexTopkGpuSpec(MsaConfig(query_dtype="fp16"), dot="mfma")
     with pytest.raises(ValueError, match="emulate_mfma: expected dot='mfma' .* got dot='mma'"):

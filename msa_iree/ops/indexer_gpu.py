@@ -7,7 +7,7 @@ head's top-16 of them into the workspace) and @merge (a workgroup per (token, he
 top-16s merged into the row's). GPU targets only (llvm-cpu cannot lower gpu.thread_id); the host
 runs the portable kernel. `dot="fma"` compiles for CUDA and gfx942 (run on CUDA only: no AMD GPU
 here), `dot="mma"` (tensor cores; which one CUDA serves: tuning.INDEXER_DOT) for CUDA only,
-`dot="mfma"` (matrix cores, bf16 keys) for gfx942 only: compiled and inspected, NEVER RUN, and not
+`dot="mfma"` (matrix cores, bf16 or e4m3fn keys and queries) for gfx942 only: compiled and inspected, NEVER RUN, and not
 served until its emulated twin (`emulate_mfma`, CUDA, tests only) has passed on an NVIDIA GPU.
 
 Shapes: T tokens, H index heads, C index block-table columns (at most 8,192: 1M tokens).
@@ -57,8 +57,8 @@ class IndexTopkGpuSpec(TemplateSpec):
     # and gfx942) or "mma" (CUDA tensor cores: a warp's 16 positions x 128 dims against the rows'
     # and heads' queries as one m16n8k16 bf16 chain, fp8 keys converted exactly to bf16 first, as
     # vLLM's Triton indexer does; sm_89+ for fp8, whose e4m3 -> f16 conversion is the hardware's)
-    # or "mfma" (gfx942 matrix cores, bf16 keys and queries: a wave's 16 positions x 128 dims
-    # against up to 4 groups of 16 (row, head) columns as v_mfma_f32_16x16x16_bf16 chains)
+    # or "mfma" (gfx942 matrix cores, MFMA_OPERANDS: a wave's 16 positions x 128 dims against up
+    # to 4 groups of 16 (row, head) columns as v_mfma_f32_16x16x16_bf16 / _16x16x32_fp8_fp8 chains)
     dot: str = "fma"
     # TEST ONLY (dot="mfma"): the gfx942 text for CUDA with every MFMA computed by the 64 threads of
     # the emulated wave through LDS and its xor-32 shuffle through LDS, so that an NVIDIA GPU runs
@@ -77,6 +77,9 @@ class IndexTopkGpuSpec(TemplateSpec):
     # each of a block's sets its own team's
     # on matrix cores, up to 4 groups of the MFMA's 16 columns sharing each key fragment
     TILE_ROW_HEADS = {"fma": 8, "mma": 64, "mfma": 64}
+    # (index cache, index queries) dtypes dot="mfma" takes: bf16 x bf16 on v_mfma_f32_16x16x16_bf16,
+    # e4m3fn x e4m3fn (bytes remapped to e4m3fnuz) on v_mfma_f32_16x16x32_fp8_fp8
+    MFMA_OPERANDS = (("bf16", "bf16"), ("fp8_e4m3fn", "fp8_e4m3fn"))
 
     def __post_init__(self):
         if self.tuning is None:
@@ -94,10 +97,11 @@ class IndexTopkGpuSpec(TemplateSpec):
         if self.dot == "mma" and self.cfg.query_dtype != "bf16" and not self.fp8_queries:
             raise ValueError(f"query_dtype: expected bf16 index queries for dot='mma' (a bf16 tensor-core dot), "
                              f"got {self.cfg.query_dtype}")
-        if self.dot == "mfma" and (self.cfg.kv_dtype, index_q_dtype(self.cfg, self.fp8_queries)) != ("bf16", "bf16"):
-            raise ValueError(f"kv_dtype, query_dtype: expected a bf16 index cache and bf16 index queries for "
-                             f"dot='mfma' (a bf16 matrix-core dot; gfx942 scores e4m3fn keys lane-wise), got "
-                             f"{self.cfg.kv_dtype}, {index_q_dtype(self.cfg, self.fp8_queries)}")
+        operands = (self.cfg.kv_dtype, index_q_dtype(self.cfg, self.fp8_queries))
+        if self.dot == "mfma" and operands not in self.MFMA_OPERANDS:
+            raise ValueError(f"kv_dtype, query_dtype: expected a bf16 index cache with bf16 index queries or an "
+                             f"fp8_e4m3fn one with fp8_e4m3fn queries (fp8_queries) for dot='mfma' (the matrix "
+                             f"cores' bf16 and fp8 dots), got {operands[0]}, {operands[1]}")
         if self.emulate_mfma and self.dot != "mfma":
             raise ValueError(f"emulate_mfma: expected dot='mfma' (the twin of the MFMA kernel), got dot={self.dot!r}")
         if self.tiled:
@@ -118,7 +122,8 @@ class IndexTopkGpuSpec(TemplateSpec):
     @property
     def cuda_arch(self):
         # cvt.rn.f16x2.e4m3x2 (the fp8 keys' exact conversion) exists from sm_89 on
-        return 89 if self.dot == "mma" and self.cfg.is_fp8 else None
+        # (and the MFMA twin's emulated fp8 operands)
+        return 89 if (self.dot == "mma" or self.emulate_mfma) and self.cfg.is_fp8 else None
 
     def target_flags(self, target: str) -> list[str]:
         allowed = ("cuda",) if self.emulate_mfma else self.DOTS[self.dot]

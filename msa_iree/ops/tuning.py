@@ -211,6 +211,6 @@ INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_h
 # workgroup, a decode step's tokens of a request together); "mma" tensor cores (CUDA), "fma"
 # lane-wise products and shuffle sums (elsewhere). One bf16 token a workgroup reads its keys
 # faster the fma way (benchmarks/PERF.md, decision record). gfx942's matrix-core kernel
-# (dot="mfma", bf16 keys) is built and inspected, and its emulated twin is in the GPU tests; it
+# (dot="mfma", bf16 or e4m3fn keys and queries) is built and inspected, and its emulated twin is in the GPU tests; it
 # is not served here until that twin has passed on an NVIDIA GPU.
 INDEXER_DOT = {("cuda", "bf16"): ("fma", "mma"), ("cuda", "fp8_e4m3fn"): ("mma", "mma")}
