@@ -256,18 +256,25 @@ def test_the_portable_indexer_compiles_for_gfx942(tmp_path):
     assert (manifest.parent / f"{INDEXER[0].name}.vmfb").stat().st_size > 10_000
 
 
+def _gfx942_indexer_functions(tmp_path, specs):
+    """Build `specs` for gfx942 and check what every GPU indexer there has: two dispatches (@score,
+    @merge), no scratch, >= 4 waves per SIMD; yield each spec with its functions' ISA report."""
+    C.build(None, ["gfx942"], tmp_path, specs=specs, log=lambda m: None)
+    report = {r["kernel"]: r for r in kernel_report(tmp_path)}
+    for spec in specs:
+        functions = {f["function"]: f for f in report[spec.name]["functions"]}
+        assert report[spec.name]["dispatches"] == 2 and set(functions) == {"score", "merge"}
+        for f in functions.values():
+            assert f["scratch_bytes"] == 0 and f["scratch_ops"] == 0 and f["waves_per_simd"] >= 4, (spec.name, f)
+        yield spec, functions
+
+
 def test_gfx942_indexer_isa(tmp_path):
     """The hand-written indexer on gfx942 (compiled, never run here), with and without the table
     emission, one token or a decode step's tokens of a request a workgroup: two dispatches, no
     scratch, >= 4 waves per SIMD, the keys read in 16-byte loads, no score tensor between the
     dispatches (@merge reads only the picks and each row's split count)."""
-    C.build(None, ["gfx942"], tmp_path, specs=GPU_INDEXER, log=lambda m: None)
-    report = {r["kernel"]: r for r in kernel_report(tmp_path)}
-    for spec in GPU_INDEXER:
-        functions = {f["function"]: f for f in report[spec.name]["functions"]}
-        assert report[spec.name]["dispatches"] == 2 and set(functions) == {"score", "merge"}
-        for f in functions.values():
-            assert f["scratch_bytes"] == 0 and f["scratch_ops"] == 0 and f["waves_per_simd"] >= 4, (spec.name, f)
+    for spec, functions in _gfx942_indexer_functions(tmp_path, GPU_INDEXER):
         assert functions["score"]["global_load_x4"] >= spec.tuning.loads_for(spec.rows, spec.cfg.num_kv_heads, spec.cfg.is_fp8), functions["score"]
     text = GPU_INDEXER[0].render()
     merge = text[text.index("func.func @merge"):text.index("func.func @main")]
@@ -284,13 +291,7 @@ def test_gfx942_mfma_indexer_isa(tmp_path):
     tile for each group of 16 columns, at least the tiles of one loop step) with no lane-wise
     products nor fp8 conversions, the keys and queries in 16-byte loads (a tile's 4 / 2 a lane,
     and each column group's), @merge with no MFMA."""
-    C.build(None, ["gfx942"], tmp_path, specs=GPU_INDEXER_MFMA, log=lambda m: None)
-    report = {r["kernel"]: r for r in kernel_report(tmp_path)}
-    for spec in GPU_INDEXER_MFMA:
-        functions = {f["function"]: f for f in report[spec.name]["functions"]}
-        assert report[spec.name]["dispatches"] == 2 and set(functions) == {"score", "merge"}
-        for f in functions.values():
-            assert f["scratch_bytes"] == 0 and f["scratch_ops"] == 0 and f["waves_per_simd"] >= 4, (spec.name, f)
+    for spec, functions in _gfx942_indexer_functions(tmp_path, GPU_INDEXER_MFMA):
         groups = -(-spec.rows * spec.cfg.num_kv_heads // 16)
         tiles, loads = spec.tuning.mfma_tiles, 2 if spec.cfg.is_fp8 else 4
         score = functions["score"]

@@ -152,9 +152,14 @@ class IndexTopkGpuSpec(TemplateSpec):
         if self.dot == "mma":
             return f".mma{t.tiles_for(c.is_fp8)}" + (f"cta{t.min_ctas_per_sm}" if t.min_ctas_per_sm else "")
         if self.dot == "mfma":
-            return (f".mfma{t.mfma_tiles}" + (f"wpe{t.mfma_waves_per_eu}" if t.mfma_waves_per_eu and not self.emulate_mfma else "")
+            return (f".mfma{t.mfma_tiles}" + (f"wpe{self._waves_per_eu}" if self._waves_per_eu else "")
                     + ("emu" if self.emulate_mfma else ""))
         return f"u{t.loads_for(self.rows, c.num_kv_heads, c.is_fp8)}"
+
+    @property
+    def _waves_per_eu(self) -> int | None:
+        """gfx942's waves per SIMD asked of the register allocator: the MFMA kernel's (not its twin's)."""
+        return self.tuning.mfma_waves_per_eu if self.dot == "mfma" and not self.emulate_mfma else None
 
     def describe(self) -> dict:
         return {**super().describe(), "init_blocks": self.init_blocks, "local_blocks": self.local_blocks,
@@ -171,7 +176,7 @@ class IndexTopkGpuSpec(TemplateSpec):
                                MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
                                ROWS=self.rows, TILED=self.tiled, QUERY_TILE=QUERY_TILE, DOT=self.dot,
                                TILES=t.tiles_for(c.is_fp8, self.dot), EMULATE=self.emulate_mfma,
-                               WAVES_PER_EU=t.mfma_waves_per_eu if self.dot == "mfma" and not self.emulate_mfma else None,
+                               WAVES_PER_EU=self._waves_per_eu,
                                MIN_CTAS=t.min_ctas_per_sm if self.dot == "mma" else None,
                                NCS=self.column_sets, MERGE_ROWS=t.merge_rows,
                                MERGE_SPT=t.merge_splits_per_team)
