@@ -21,7 +21,7 @@ GPU_DECODE_CASES = (
 GPU_INDEXER_CASES = [(1, "bf16", 0, 1), (2, "bf16", 1, 1), (4, "fp8_e4m3fn", 2, 0), (1, "fp8_e4m3fn", 0, 1)]
 # ... a decode step's tokens of a request scored together: (index heads, cache dtype, L = rows, emit_table)
 GPU_INDEXER_ROW_CASES = [(1, "bf16", 4, False), (1, "fp8_e4m3fn", 3, True), (2, "bf16", 2, False),
-                         (1, "fp8_e4m3fn", 4, False), (1, "bf16", 2, True)]
+                         (1, "fp8_e4m3fn", 4, False), (1, "bf16", 2, True), (1, "bf16", 3, True)]
 # ... a step's tokens in query tiles (prefills): (index heads, cache dtype, rows, emit_table, dot)
 GPU_INDEXER_TILE_CASES = [(1, "bf16", 32, True, "mfma"), (2, "bf16", 16, False, "mfma"), (4, "bf16", 8, True, "mfma"),
                           (1, "bf16", 64, True, "mma"), (2, "fp8_e4m3fn", 32, False, "mma"), (4, "bf16", 16, False, "mma"),
@@ -50,7 +50,9 @@ def gpu_indexer_spec(cfg, *args, dot="fma", **kwargs):
 # e4m3fn index queries against an e4m3fn cache (fp8_queries): (index heads, rows, tiled, emit_table, dot)
 GPU_INDEXER_FP8_QUERY_CASES = [(1, 1, False, False, "fma"), (1, 1, False, True, "mma"), (2, 2, False, False, "mma"),
                                (1, 4, False, True, "fma"), (1, 64, True, True, "mma"), (2, 4, True, False, "fma"),
-                               (1, 1, False, True, "mfma"), (2, 2, False, False, "mfma"), (1, 32, True, True, "mfma"),
+                               (1, 1, False, True, "mfma"), (1, 2, False, False, "mfma"), (1, 3, False, True, "mfma"),
+                               (1, 4, False, False, "mfma"), (2, 1, False, False, "mfma"), (2, 2, False, False, "mfma"),
+                               (4, 1, False, True, "mfma"), (1, 32, True, True, "mfma"), (2, 16, True, True, "mfma"),
                                (4, 8, True, False, "mfma")]
 
 GPU_SERVING_CASES = (
