@@ -11,6 +11,7 @@ import pytest
 from msa_iree import compile as C
 from msa_iree import ops as K
 from msa_iree.config import MsaConfig
+from msa_iree.ops.indexer import indexer_config
 from msa_iree.ops.tuning import ARRIVAL_COUNTERS, INDEXER as INDEXER_DECODE, INDEXER_TILED, AttendTuning, IndexerTuning
 from msa_iree.inspect import kernel_report
 
@@ -310,8 +311,9 @@ def test_gfx942_mfma_indexer_isa(tmp_path):
 def test_the_mfma_indexer_is_gfx942s_and_its_twin_cudas():
     """dot="mfma" compiles for gfx942 only and emulate_mfma (its twin) for CUDA only (sm_89 for
     its fp8 operands' conversion), each named apart; both take bf16 keys and queries or e4m3fn
-    keys and queries only; gfx942 does not serve it before its twin has
-    run (tuning.INDEXER_DOT); the tuning knobs refuse what the template cannot tile."""
+    keys and queries only; gfx942 serves it (tuning.INDEXER_DOT) for a decode step's tokens
+    together, query tiles and e4m3fn keys with e4m3fn queries, lane-wise otherwise; the tuning
+    knobs refuse what the template cannot tile."""
     native, twin = GPU_INDEXER_MFMA[3], GPU_INDEXER_MFMA_TWIN[3]
     with pytest.raises(ValueError, match="target: dot='mfma' compiles for gfx942, got cuda"):
         native.target_flags("cuda")
@@ -337,8 +339,30 @@ def test_the_mfma_indexer_is_gfx942s_and_its_twin_cudas():
     with pytest.raises(ValueError, match="IndexerTuning.mfma_tiles, tile_row_heads_mfma: .* got 2, 8"):
         IndexerTuning(tile_row_heads_mfma=8)
     assert INDEXER_TILED.tile_rows(1, "mfma") == 32 and INDEXER_TILED.tile_rows(4, "mfma") == 8
-    served = K.indexer_set(MsaConfig(), "gfx942")
-    assert {s.dot for s in served.topk_gpu.values()} | {served.gpu_tiled().dot} == {"fma"}
+    bf16 = K.indexer_set(MsaConfig(), "gfx942")
+    assert (bf16.gpu(1).dot, bf16.gpu(4).dot, bf16.gpu_tiled().dot) == ("fma", "mfma", "mfma")
+    fp8q = K.indexer_set(MsaConfig(kv_dtype="fp8_e4m3fn"), "gfx942", fp8_queries=True)
+    assert {s.dot for s in fp8q.topk_gpu.values()} | {fp8q.gpu_tiled().dot} == {"mfma"}
+    fp8 = K.indexer_set(MsaConfig(kv_dtype="fp8_e4m3fn"), "gfx942")  # bf16 queries: no MFMA takes them
+    assert {s.dot for s in fp8.topk_gpu.values()} | {fp8.gpu_tiled().dot} == {"fma"}
+    assert K.indexer_dot(MsaConfig(query_dtype="fp16"), "gfx942", 4) == "fma"
+    assert K.indexer_dot(MsaConfig(), "cuda", 4) == "mma"
+
+
+def test_gfx942_serves_the_mfma_indexer_only_in_shapes_its_twin_runs():
+    """Every MFMA indexer kernel gfx942 serves (1, 2 and 4 index heads; bf16, and e4m3fn with
+    e4m3fn queries; decode L 1-4 and query tiles) has an emulated twin of its shape (index heads,
+    dtypes, tokens a workgroup, tiled) among the kernels the GPU tests run on CUDA."""
+    from gpu_cases import gpu_test_specs
+
+    def shape(s):
+        return s.cfg.num_kv_heads, s.cfg.kv_dtype, s.fp8_queries, s.rows, s.tiled
+
+    twins = {shape(s) for s in gpu_test_specs() if isinstance(s, K.IndexTopkGpuSpec) and s.emulate_mfma}
+    served = {shape(s) for heads in (1, 2, 4) for kv, q8 in (("bf16", False), ("fp8_e4m3fn", True))
+              for s in K.indexer_set(indexer_config(heads, kv, "bf16"), "gfx942", fp8_queries=q8).specs()
+              if getattr(s, "dot", None) == "mfma"}
+    assert len(served) == 17 and served <= twins, sorted(served - twins)
 
 
 def test_gfx942_index_insert_isa(tmp_path):
@@ -408,13 +432,15 @@ def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
     assert {dot for _, dot in dots(MsaConfig(query_dtype="fp16"), "cuda")} == {"fma"}
     assert GPU_INDEXER_MMA[0].name != GPU_INDEXER[0].name and ".mma1" in GPU_INDEXER_MMA[0].name
     # query tiles: CUDA's tensor cores take 64 (token, head) pairs (two teams' 4 groups of their 8
-    # columns), the lane-wise dot 4 (gfx942); a tile of one token a workgroup is the untiled kernel
+    # columns), gfx942's matrix cores 32 (bf16), the lane-wise dot 4 (gfx942's e4m3fn keys with
+    # bf16 queries); a tile of one token a workgroup is the untiled kernel
     tiled = {(h, kv, target): K.indexer_set(MsaConfig(num_heads=16 * h, num_kv_heads=h, kv_dtype=kv), target).gpu_tiled()
              for h in (1, 2, 4) for kv in ("bf16", "fp8_e4m3fn") for target in ("cuda", "gfx942")}
     assert {k: (s.rows, s.dot) for k, s in tiled.items() if s is not None} == {
         **{(h, kv, "cuda"): (64 // h, "mma") for h in (1, 2, 4) for kv in ("bf16", "fp8_e4m3fn")},
-        **{(h, kv, "gfx942"): (4 // h, "fma") for h in (1, 2) for kv in ("bf16", "fp8_e4m3fn")}}
-    assert all(tiled[4, kv, "gfx942"] is None for kv in ("bf16", "fp8_e4m3fn"))
+        **{(h, "bf16", "gfx942"): (32 // h, "mfma") for h in (1, 2, 4)},
+        **{(h, "fp8_e4m3fn", "gfx942"): (4 // h, "fma") for h in (1, 2)}}
+    assert tiled[4, "fp8_e4m3fn", "gfx942"] is None
     served = K.indexer_set(MsaConfig(), "cuda")
     assert served.gpu_tiled(True).emit_table and served.gpu_tiled(True) in served.specs()
     assert served.gpu_tiled().name.endswith(".b16s64m8x16.mma1cta2.t64") and served.gpu_tiled() in served.specs()

@@ -18,7 +18,7 @@ from ..config import MsaConfig
 from ..layout import PAGES_PER_BLOCK
 from .attend_gpu import GpuAttendSpec
 from .fma import SparseAttnDecodeFmaSpec, SparseAttnPagedFmaSpec, SparseAttnPrefillFmaSpec
-from .indexer import IndexCacheInsertSpec, IndexTopkSpec
+from .indexer import IndexCacheInsertSpec, IndexTopkSpec, index_q_dtype
 from .indexer_gpu import QUERY_TILE, IndexTopkGpuSpec
 from .insert_gpu import IndexCacheInsertGpuSpec, InsertKvGpuSpec
 from .mfma import (SparseAttnDecodeMfmaEmulatedSpec, SparseAttnDecodeMfmaSpec, SparseAttnPagedMfmaEmulatedSpec,
@@ -141,9 +141,13 @@ class IndexerKernels:
 
 def indexer_dot(cfg: MsaConfig, target: str, rows: int = 1, fp8_queries: bool = False) -> str:
     """The GPU indexer's dot products on `target` for `rows` tokens a workgroup (tuning.INDEXER_DOT;
-    "fma" for index queries the tensor cores' bf16 dot does not take: fp16; e4m3fn ones convert
-    to bf16 exactly)."""
+    "fma" for operands the matrix dot does not take: the tensor cores' bf16 dot takes bf16 index
+    queries and e4m3fn ones (converted to bf16 exactly), gfx942's MFMAs bf16 keys with bf16
+    queries and e4m3fn keys with e4m3fn queries)."""
     dot = INDEXER_DOT.get((target, cfg.kv_dtype), ("fma", "fma"))[rows > 1]
+    if dot == "mfma":
+        operands = (cfg.kv_dtype, index_q_dtype(cfg, fp8_queries))
+        return dot if operands in IndexTopkGpuSpec.MFMA_OPERANDS else "fma"
     return dot if cfg.query_dtype == "bf16" or fp8_queries else "fma"
 
 

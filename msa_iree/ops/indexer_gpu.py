@@ -7,8 +7,8 @@ head's top-16 of them into the workspace) and @merge (a workgroup per (token, he
 top-16s merged into the row's). GPU targets only (llvm-cpu cannot lower gpu.thread_id); the host
 runs the portable kernel. `dot="fma"` compiles for CUDA and gfx942 (run on CUDA only: no AMD GPU
 here), `dot="mma"` (tensor cores; which one CUDA serves: tuning.INDEXER_DOT) for CUDA only,
-`dot="mfma"` (matrix cores, bf16 or e4m3fn keys and queries) for gfx942 only: compiled and inspected, NEVER RUN, and not
-served until its emulated twin (`emulate_mfma`, CUDA, tests only) has passed on an NVIDIA GPU.
+`dot="mfma"` (matrix cores, bf16 or e4m3fn keys and queries) for gfx942 only: compiled and inspected, NEVER RUN on
+an AMD GPU; its numerics are proven on CUDA by its emulated twin (`emulate_mfma`, tests only).
 
 Shapes: T tokens, H index heads, C index block-table columns (at most 8,192: 1M tokens).
 """

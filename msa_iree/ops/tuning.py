@@ -208,9 +208,10 @@ INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_h
                                     merge_splits_per_team=16)
 
 # how the GPU indexer's @score takes its dot products: (target, index cache dtype) -> (one token a
-# workgroup, a decode step's tokens of a request together); "mma" tensor cores (CUDA), "fma"
-# lane-wise products and shuffle sums (elsewhere). One bf16 token a workgroup reads its keys
-# faster the fma way (benchmarks/PERF.md, decision record). gfx942's matrix-core kernel
-# (dot="mfma", bf16 or e4m3fn keys and queries) is built and inspected, and its emulated twin is in the GPU tests; it
-# is not served here until that twin has passed on an NVIDIA GPU.
-INDEXER_DOT = {("cuda", "bf16"): ("fma", "mma"), ("cuda", "fp8_e4m3fn"): ("mma", "mma")}
+# workgroup, a decode step's tokens of a request or a query tile together); "mma" tensor cores
+# (CUDA), "mfma" matrix cores (gfx942; bf16 or e4m3fn keys and queries of the same dtype, else
+# "fma"), "fma" lane-wise products and shuffle sums. One bf16 token a workgroup reads its keys
+# faster the fma way on CUDA (benchmarks/PERF.md, decision record); gfx942 follows that rule
+# unmeasured (no AMD GPU), its MFMA kernel's numerics proven through its emulated twin on CUDA.
+INDEXER_DOT = {("cuda", "bf16"): ("fma", "mma"), ("cuda", "fp8_e4m3fn"): ("mma", "mma"),
+               ("gfx942", "bf16"): ("fma", "mfma"), ("gfx942", "fp8_e4m3fn"): ("mfma", "mfma")}
