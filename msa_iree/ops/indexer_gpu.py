@@ -18,7 +18,7 @@ import dataclasses
 
 from .indexer import check_index_cache_dtype, index_q_dtype
 from .spec import FP8_FORMAT, MLIR_ELEMENT, TemplateSpec, render_template
-from .tuning import INDEXER, INDEXER_TILED, IndexerTuning
+from .tuning import IndexerTuning, indexer_tuning
 
 MAX_COLUMNS = 128 * 64  # blocks per split (LDS of 128 scores) x splits (@merge: 8 teams of 8)
 # a tiled launch's tiles: this many consecutive tokens of one request (fewer at its end), each
@@ -36,7 +36,7 @@ class IndexTopkGpuSpec(TemplateSpec):
 
     init_blocks: int = 0
     local_blocks: int = 1
-    tuning: IndexerTuning | None = None   # None: tuning.INDEXER_TILED if tiled else tuning.INDEXER
+    tuning: IndexerTuning | None = None   # None: the launch's row, tuning.indexer_tuning(dot, tiled)
     # also the attend's page table for the picks (@merge writes it): main then takes the attention
     # group's block table after abs_pos, and sparse_bt [>= T, H, 128], sparse_ctx [>= T, H] int32
     # between topk and the workspace
@@ -83,7 +83,7 @@ class IndexTopkGpuSpec(TemplateSpec):
 
     def __post_init__(self):
         if self.tuning is None:
-            object.__setattr__(self, "tuning", INDEXER_TILED if self.tiled else INDEXER)
+            object.__setattr__(self, "tuning", indexer_tuning(self.dot, self.tiled))
         check_index_cache_dtype(self.cfg, self.fp8_queries)
         if self.cfg.num_kv_heads not in self.INDEX_HEADS:
             raise ValueError(f"num_kv_heads: expected index heads per rank in {self.INDEX_HEADS} for the GPU "

@@ -206,6 +206,16 @@ INDEXER = IndexerTuning()
 # a row and 8 splits a team: decision record in benchmarks/PERF.md)
 INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_heads_mma=64, merge_rows=8,
                                     merge_splits_per_team=16)
+# an untiled (decode) launch on tensor cores: splits of 16 blocks (a warp's fragments take a block
+# in fewer, longer steps than the lane-wise loads, so a split's fixed costs weigh more; the
+# lane-wise decode keeps 8: decision record in benchmarks/PERF.md)
+INDEXER_MMA = dataclasses.replace(INDEXER, min_blocks_per_split=16)
+
+
+def indexer_tuning(dot: str, tiled: bool) -> IndexerTuning:
+    """The row a GPU indexer launch takes: INDEXER_TILED for query tiles, else INDEXER_MMA on
+    tensor cores and INDEXER otherwise."""
+    return INDEXER_TILED if tiled else INDEXER_MMA if dot == "mma" else INDEXER
 
 # how the GPU indexer's @score takes its dot products: (target, index cache dtype) -> (one token a
 # workgroup, a decode step's tokens of a request or a query tile together); "mma" tensor cores
