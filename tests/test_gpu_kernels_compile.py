@@ -492,14 +492,16 @@ def test_the_indexer_splits_each_request_by_its_own_candidates():
     columns hold a row of 512 candidates: 64 splits of 8, not 57 of 9)."""
     t = GPU_INDEXER[0].tuning
     assert (t.min_blocks_per_split, t.max_splits) == (8, 64)
-    for cols in [1, 7, 8, 9, 511, 512, 513, 1000, 1024, 4095, 8192]:
-        assert t.splits(cols) <= t.max_splits
-        for cand in sorted({1, 7, 8, 9, 32, 511, 512, 513, cols // 2 + 1, cols - 1, cols} - {0}):
-            if cand > cols:
-                continue
-            bps = t.blocks_per_split(cand)
-            splits = -(-cand // bps)
-            assert bps <= 128 and splits <= t.splits(cols) and (splits - 1) * bps < cand <= splits * bps, (cols, cand)
+    for row in (t, INDEXER_MMA, INDEXER_TILED):  # every row of the table (8 and 16 blocks a split)
+        for cols in [1, 7, 8, 9, 15, 16, 17, 511, 512, 513, 1000, 1024, 1025, 4095, 8192]:
+            assert row.splits(cols) <= row.max_splits
+            for cand in sorted({1, 7, 8, 9, 16, 17, 32, 511, 512, 513, 1024, 1025, cols // 2 + 1, cols - 1, cols} - {0}):
+                if cand > cols:
+                    continue
+                bps = row.blocks_per_split(cand)
+                splits = -(-cand // bps)
+                assert bps <= 128 and splits <= row.splits(cols) and (splits - 1) * bps < cand <= splits * bps, \
+                    (row.min_blocks_per_split, cols, cand)
     assert [t.blocks_per_split(c) for c in (32, 512, 513, 8192)] == [8, 8, 9, 128]
     assert [t.splits(c) for c in (1, 32, 512, 513, 8192)] == [1, 4, 64, 64, 64]
     # each (token, head, split)'s 16 keys and 16 ids, then a split count per token
