@@ -18,12 +18,16 @@ from msa_iree.runtime.launch_plan import DispatchPlan
 MFMA = K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16)
 INSERT = K.InsertKvGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16)
 MFMA_INS = MFMA.with_insert()  # the decode attend that writes the step's K/V too
+# the indexer gfx942 serves on matrix cores: a decode step's 4 tokens together, and query tiles
+# with the attend's page table emitted (e4m3fn keys and queries)
+INDEX_DECODE = K.indexer_set(MsaConfig(), "gfx942").gpu(4)
+INDEX_TILED = K.indexer_set(MsaConfig(kv_dtype="fp8_e4m3fn"), "gfx942", fp8_queries=True).gpu_tiled(True)
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     out = tmp_path_factory.mktemp("gfx942")
-    C.build(None, ["gfx942"], out, specs=[MFMA, INSERT, MFMA_INS], log=lambda m: None)
+    C.build(None, ["gfx942"], out, specs=[MFMA, INSERT, MFMA_INS, INDEX_DECODE, INDEX_TILED], log=lambda m: None)
     return out, json.loads((out / "manifest.json").read_text())["kernels"]
 
 
@@ -95,6 +99,42 @@ def test_the_inserting_attends_plan_passes_what_its_kernel_declares(build, token
     assert grid == [MFMA.splits(tokens), tokens, 1] and sorted(k for k, _ in bindings) == list(range(14))
     check_kernarg_layout(kernels[name], len(bindings), len(constants))
     assert kernels["split"].kernarg_size == 8 * 14 + 4 * sum(k == "by_value" for _, _, k in kernels["split"].args)
+
+
+def _index_operands(spec, tokens, columns):
+    """(shapes, dtypes) of an indexer call: index_q, the index cache's storage, the index block
+    table, req_id, abs_pos, (tiled) the tiles, (emit_table) the attend's block table, then topk,
+    (emit_table) sparse_bt and sparse_ctx, and the workspace."""
+    h, q8 = spec.cfg.num_kv_heads, spec.fp8_queries
+    shapes = [(tokens, h, 128), (900, 16384), (4, columns), (tokens,), (tokens,)]
+    dtypes = ["uint8" if q8 else "bfloat16", "uint8" if spec.cfg.is_fp8 else "bfloat16", "int32", "int32", "int32"]
+    if spec.tiled:
+        shapes, dtypes = shapes + [(-(-tokens // 64) + 3,)], dtypes + ["int32"]
+    if spec.emit_table:
+        shapes, dtypes = shapes + [(4, columns)], dtypes + ["int32"]
+    shapes, dtypes = shapes + [(h, tokens, 16)], dtypes + ["int32"]
+    if spec.emit_table:
+        shapes, dtypes = shapes + [(tokens, h, 128), (tokens, h)], dtypes + ["int32", "int32"]
+    return shapes + [(spec.workspace_floats(tokens, columns),)], dtypes + ["float32"]
+
+
+@pytest.mark.parametrize("spec", [INDEX_DECODE, INDEX_TILED], ids=lambda s: s.name)
+@pytest.mark.parametrize("tokens, columns", [(4, 32), (200, 1000), (4096, 8192)])
+def test_the_mfma_indexers_plan_passes_each_kernel_the_arguments_it_declares(build, spec, tokens, columns):
+    """The MFMA indexer gfx942 serves: two dispatches, @score and @merge, each handed the pointer
+    and 4-byte arguments its code object declares, in its metadata's order, with a grid covering
+    the call (@score's: a workgroup per split and group of rows)."""
+    assert spec.dot == "mfma"
+    vmfb, plan = _module(build, spec)
+    kernels = kernels_of(hsaco_of(vmfb))
+    assert set(kernels) == {"score", "merge"}
+    dispatches = DispatchPlan(plan).evaluate(*_index_operands(spec, tokens, columns))
+    assert [d[0] for d in dispatches] == ["score", "merge"]
+    for name, grid, constants, bindings in dispatches:
+        check_kernarg_layout(kernels[name], len(bindings), len(constants))
+        assert min(grid) >= 1 and kernels[name].block == (256, 1, 1)
+    score_grid = dispatches[0][1]
+    assert score_grid[0] * score_grid[1] * score_grid[2] >= spec.tuning.splits(columns) * -(-tokens // 64)
 
 
 def test_a_code_object_declaring_other_arguments_is_refused():
