@@ -206,9 +206,9 @@ INDEXER = IndexerTuning()
 # a row and 8 splits a team: decision record in benchmarks/PERF.md)
 INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_heads_mma=64, merge_rows=8,
                                     merge_splits_per_team=16)
-# an untiled (decode) launch on tensor cores: splits of 16 blocks (a warp's fragments take a block
-# in fewer, longer steps than the lane-wise loads, so a split's fixed costs weigh more; the
-# lane-wise decode keeps 8: decision record in benchmarks/PERF.md)
+# an untiled (decode) launch on tensor cores: splits of 16 blocks, faster there than 8 at short
+# contexts and the same from 32K, where the lane-wise decode is slower at 16 and keeps 8
+# (decision record in benchmarks/PERF.md)
 INDEXER_MMA = dataclasses.replace(INDEXER, min_blocks_per_split=16)
 
 
