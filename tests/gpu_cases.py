@@ -32,6 +32,10 @@ GPU_INDEXER_TILE_CASES = [(1, "bf16", 32, True, "mfma"), (2, "bf16", 16, False, 
 # candidates: (rows, tiled, dot, init blocks, local blocks)
 GPU_INDEXER_WIDE_TABLE_CASES = [(1, False, "fma", 0, 1), (4, False, "mma", 0, 1), (8, True, "fma", 1, 1),
                                 (32, True, "mma", 1, 1), (4, False, "mfma", 0, 1), (32, True, "mfma", 1, 1)]
+# ... a step of more groups than the launch's grid_workgroups give all of the table's splits, so
+# that a group's workgroups take turns at its splits (the tuning rows that have it: tensor
+# cores'): (index heads, cache dtype, rows, emit_table)
+GPU_INDEXER_TURN_CASES = [(1, "fp8_e4m3fn", 1, False), (1, "bf16", 4, True), (2, "fp8_e4m3fn", 2, False)]
 # ... each with both ways of taking @score's dot products on CUDA (IndexTopkGpuSpec.dot) and, for
 # bf16 caches, gfx942's MFMA kernel as its emulated twin ("mfma": gpu_indexer_spec)
 GPU_INDEXER_DOTS = ("fma", "mma")
@@ -125,6 +129,8 @@ def gpu_test_specs():
               for heads, rows, tiled, emit, dot in GPU_INDEXER_FP8_QUERY_CASES]
     specs += [gpu_indexer_spec(indexer_config(1, "bf16", "bf16"), 16, init, local, rows=rows, tiled=tiled, dot=dot)
               for rows, tiled, dot, init, local in GPU_INDEXER_WIDE_TABLE_CASES]
+    specs += [gpu_indexer_spec(indexer_config(heads, kv, "bf16"), 16, 1, 1, emit_table=emit, rows=rows, dot="mma")
+              for heads, kv, rows, emit in GPU_INDEXER_TURN_CASES]
     # the hand-made request and the long contexts (bf16 keys: 64 and 8,192 columns)
     specs.append(gpu_indexer_spec(indexer_config(1, "bf16", "bf16"), dot="mfma"))
     specs.append(gpu_indexer_spec(indexer_config(1, "fp8_e4m3fn", "bf16"), dot="mfma", fp8_queries=True))

@@ -1361,6 +1361,45 @@ def test_the_gpu_indexer_splits_each_group_by_its_own_candidates(cuda_kernels, r
     assert torch.equal(topk[:, :n].cpu(), want) and topk[:, n:].eq(-7).all()
 
 
+@pytest.mark.parametrize("heads, cache_dtype, rows, emit", gpu_cases.GPU_INDEXER_TURN_CASES)
+def test_the_gpu_indexers_groups_take_turns_at_their_splits(cuda_kernels, heads, cache_dtype, rows, emit):
+    """96 decode requests over a table of 8,192 columns: @score's grid holds fewer workgroups a
+    group than the longest requests' splits (IndexerTuning.grid_workgroups), so those take their
+    splits in turn (a 700-block request's 44 splits of 16 blocks in 4 turns of 11 workgroups), and
+    the step's top-k is the reference's exactly, ids and order, for requests of 1 to 700 candidate
+    blocks and padded ones; with the table, the attend's page-16 table is the builder's for it."""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(4100 + 10 * heads + rows)
+    cols, blocks, reqs = 8192, 720, 96
+    cfg = indexer_config(heads, cache_dtype, "bf16")
+    spec = gpu_cases.gpu_indexer_spec(cfg, 16, 1, 1, emit_table=emit, rows=rows, dot="mma")
+    assert spec.tuning.grid_splits(cols, reqs) < -(-700 // spec.tuning.blocks_per_split(700))  # the turns
+    cache = torch.randn(blocks, 128, 128, generator=gen).to(DTYPES[cache_dtype])
+    table = torch.randint(0, blocks, (reqs, cols), generator=gen, dtype=torch.int32)
+    lengths = [1, 17, 33, 200, 513, 700, 0, 64]  # candidate blocks (0: a padded request)
+    ends = [lengths[r % len(lengths)] * 128 - (r % 5) for r in range(reqs)]
+    req = torch.arange(reqs, dtype=torch.int32).repeat_interleave(rows)
+    pos = torch.tensor([end - rows + i if end > 0 else -1 for end in ends for i in range(rows)], dtype=torch.int32)
+    n = len(pos)
+    q = torch.randn(n, heads, 128, generator=gen).to(torch.bfloat16)
+    want = R.index_topk(q, cache, table, req, pos, init_blocks=1, local_blocks=1)
+    topk = torch.full((heads, n + 3, 16), -7, dtype=torch.int32, device=dev)
+    ws = torch.full((spec.workspace_floats(n, cols),), float("nan"), device=dev)
+    raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    operands = [q.to(dev), raw.reshape(blocks, -1).to(dev), table.to(dev), req.to(dev), pos.to(dev)]
+    if emit:
+        sbt = torch.full((n, heads, 128), -7, dtype=torch.int32, device=dev)
+        sctx = torch.full((n, heads), -7, dtype=torch.int32, device=dev)
+        cuda_kernels.run(spec, *operands, table.to(dev), out=[topk, sbt, sctx, ws])
+    else:
+        cuda_kernels.run(spec, *operands, out=[topk, ws])
+    assert torch.equal(topk[:, :n].cpu(), want) and topk[:, n:].eq(-7).all()
+    if emit:
+        want_bt, want_ctx = R.build_sparse_block_table_prefill(want, table, req, pos, 16)
+        assert torch.equal(sbt.cpu().reshape(n * heads, 128), want_bt)
+        assert torch.equal(sctx.cpu().reshape(n * heads), want_ctx)
+
+
 @pytest.mark.parametrize("cache_dtype", ["bf16", "fp8_e4m3fn"])
 def test_the_gpu_index_insert_is_the_reference(cuda_kernels, cache_dtype):
     """runtime.Indexer.insert on CUDA (the hand-written insert, ops/insert_gpu.py): a mixed step's

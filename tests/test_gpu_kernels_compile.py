@@ -447,7 +447,7 @@ def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
     assert served.gpu_tiled().name.endswith(".b16s64m8x16.mma1cta2.t64") and served.gpu_tiled() in served.specs()
     # a tiled launch takes the tiled row of the tuning table, an untiled one the decode row of its dot
     assert served.gpu_tiled().tuning is INDEXER_TILED and served.gpu().tuning is INDEXER_DECODE
-    assert served.gpu(4).tuning is INDEXER_MMA and ".b16s64.mma1cta2.r4" in served.gpu(4).name
+    assert served.gpu(4).tuning is INDEXER_MMA and ".b16s64g1024.mma1cta2.r4" in served.gpu(4).name
     assert K.indexer_set(MsaConfig(), "gfx942").gpu(4).tuning is INDEXER_DECODE  # (mfma)
     assert all(s.tuning is INDEXER_TILED for s in (tiled[1, "bf16", "gfx942"], tiled[1, "fp8_e4m3fn", "cuda"]))
 
@@ -477,7 +477,7 @@ def test_the_indexer_merges_several_rows_a_workgroup_in_tiled_launches_only():
     t, d = tiled.render(), decode.render()
     assert "%mr_least = arith.constant 1 : index" in t and "%mr_spt = arith.constant 16 : index" in t
     assert "%mr_least = arith.constant 8 : index" in d and "%mr_spt = arith.constant 8 : index" in d
-    assert ".b16s64m8x16." in tiled.name and ".b16s64.mma" in decode.name
+    assert ".b16s64m8x16." in tiled.name and ".b16s64g1024.mma" in decode.name
     with pytest.raises(ValueError, match="IndexerTuning.merge_rows: expected 1, 2, 4 or 8 .* got 3"):
         IndexerTuning(merge_rows=3)
     with pytest.raises(ValueError, match="IndexerTuning.merge_splits_per_team: expected 8 or 16 .* got 12"):

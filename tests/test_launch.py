@@ -23,12 +23,14 @@ FMA = K.SparseAttnDecodeFmaSpec(MsaConfig(num_heads=16, num_kv_heads=2), 8)     
 INSERT = K.InsertKvGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn", num_kv_heads=2), 16)       # writes the cache (operand 0)
 MMA_FP8 = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16)            # K/V staged by cp.async
 MMA_INS = MMA.with_insert()                                                          # writes the step's K/V too
+# the decode indexer CUDA serves for an fp8 index cache (tensor cores; its groups take turns at the splits)
+INDEX_MMA = K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 0, 1, dot="mma")
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     out = tmp_path_factory.mktemp("cuda")
-    C.build(None, ["cuda"], out, specs=[MMA, FMA, INSERT, MMA_FP8, MMA_INS], log=lambda m: None)
+    C.build(None, ["cuda"], out, specs=[MMA, FMA, INSERT, MMA_FP8, MMA_INS, INDEX_MMA], log=lambda m: None)
     return out, json.loads((out / "manifest.json").read_text())["kernels"]
 
 
@@ -46,6 +48,30 @@ def _operands(spec, tokens, workspace=None):
               (h, 1), (h, 1), (tokens, hq, 128), (ws,)]
     dtypes = ["bfloat16"] * 3 + ["int32"] * 3 + ["float32"] * 3 + ["bfloat16", "float32"]
     return shapes, dtypes
+
+
+@pytest.mark.parametrize("tokens, columns", [(1, 32), (8, 8192), (64, 32), (64, 8192), (256, 256), (256, 8192),
+                                            (4096, 8192)])
+def test_the_indexers_grid_follows_its_tuning_row(build, tokens, columns):
+    """@score's grid as IREE lowered the template: the row's grid_splits a group of rows (all of
+    the longest row's splits while the groups are few; past grid_workgroups, as few as keep that
+    many), handed to @score beside the row's splits (the workspace's stride), which @merge gets
+    too. 64 decode tokens over a 1M-token table take 16 workgroups each, not 64."""
+    row = INDEX_MMA.tuning
+    assert row.grid_workgroups == 1024 and row.splits(8192) == 64
+    shapes = [(tokens, 1, 128), (900, 16384), (4, columns), (tokens,), (tokens,), (1, tokens, 16),
+              (INDEX_MMA.workspace_floats(tokens, columns),)]
+    dtypes = ["bfloat16", "uint8", "int32", "int32", "int32", "int32", "float32"]
+    (score, grid, constants, _), (merge, _, merge_constants, _) = _plan(build, INDEX_MMA).evaluate(shapes, dtypes)
+    sg = row.grid_splits(columns, tokens)
+    assert (score, merge) == ("score", "merge") and grid == [sg, tokens, 1]
+    assert sg == min(row.splits(columns), max(1, -(-1024 // tokens)))
+    if (tokens, columns) == (64, 8192):
+        assert sg == 16
+    # T, N, R, C, S, SG, the workspace's words (indices as low and high words, but S and SG, which
+    # IREE knows to be small): the splits' stride and the grid's splits both reach @score
+    assert constants == [tokens, 0, 900, 0, 4, 0, columns, 0, row.splits(columns), sg, shapes[-1][0], 0]
+    assert merge_constants[:5] == [tokens, 0, columns, 0, row.splits(columns)]
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 17, 40, 64, 65, 128, 300])

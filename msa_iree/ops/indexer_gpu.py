@@ -141,6 +141,7 @@ class IndexTopkGpuSpec(TemplateSpec):
         c, t = self.cfg, self.tuning
         return (f"h{c.num_kv_heads}.{c.kv_dtype}.q{index_q_dtype(c, self.fp8_queries)}.k{c.topk}.init{self.init_blocks}."
                 f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}"
+                + (f"g{t.grid_workgroups}" if t.grid_workgroups else "")
                 + (f"m{t.merge_rows}" if t.merge_rows > 1 else "")
                 + (f"x{t.merge_splits_per_team}" if t.merge_splits_per_team != 8 else "") + self._dot_knob
                 + (f".t{self.rows}" if self.tiled else f".r{self.rows}" if self.rows > 1 else "")
@@ -173,7 +174,7 @@ class IndexTopkGpuSpec(TemplateSpec):
                                FP8Q=self.fp8_queries,
                                KT=MLIR_ELEMENT[c.kv_dtype], FP8=FP8_FORMAT.get(c.kv_dtype), AMDCVT=False,
                                INIT=self.init_blocks, LOCAL=self.local_blocks, MIN_BPS=t.min_blocks_per_split,
-                               MAX_SPLITS=t.max_splits, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
+                               MAX_SPLITS=t.max_splits, GRID_WG=t.grid_workgroups, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
                                ROWS=self.rows, TILED=self.tiled, QUERY_TILE=QUERY_TILE, DOT=self.dot,
                                TILES=t.tiles_for(c.is_fp8, self.dot), EMULATE=self.emulate_mfma,
                                WAVES_PER_EU=self._waves_per_eu,

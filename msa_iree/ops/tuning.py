@@ -111,6 +111,12 @@ class IndexerTuning:
 
     min_blocks_per_split: int = 8
     max_splits: int = 64
+    # @score's grid: None, a workgroup a split (the grid holds the longest row's splits for every
+    # group, and a table wider than the step's rows leaves most of them idle); else a group's
+    # workgroups take its splits in turn, as few of them as keep the launch at this many
+    # workgroups (all of the longest row's splits while the step's groups are fewer), so the idle
+    # ones stop growing with the groups there (decision record in benchmarks/PERF.md)
+    grid_workgroups: int | None = None
     key_loads: int = 8
     max_row_heads: int = 4
     # dot="mma" (CUDA tensor cores): tiles of 16 positions a warp has in flight, bf16 / fp8 keys
@@ -142,6 +148,9 @@ class IndexerTuning:
             raise ValueError(f"IndexerTuning: expected max_splits in [1, 64] (@merge's 8 teams of 8 splits) and "
                              f"min_blocks_per_split in [1, 128] (LDS of 128 scores), got {self.max_splits}, "
                              f"{self.min_blocks_per_split}")
+        if self.grid_workgroups is not None and self.grid_workgroups < 1:
+            raise ValueError(f"IndexerTuning.grid_workgroups: expected >= 1 workgroups of @score, got "
+                             f"{self.grid_workgroups}")
         if self.mma_tiles not in (1, 2, 4, 8) or self.mma_tiles_fp8 not in (1, 2, 4, 8):
             raise ValueError(f"IndexerTuning.mma_tiles, mma_tiles_fp8: expected 1, 2, 4 or 8 (a divisor of a block's "
                              f"8 tiles of 16 positions), got {self.mma_tiles}, {self.mma_tiles_fp8}")
@@ -191,9 +200,17 @@ class IndexerTuning:
         return self.min_blocks_per_split if narrow else -(-candidates // self.max_splits)
 
     def splits(self, columns: int) -> int:
-        """The launch grid's splits for a block table of `columns` columns: as many as its
-        longest row takes."""
+        """The splits a row of a block table of `columns` columns may take (the workspace's room
+        for each row): as many as its longest row takes."""
         return max(1, min(-(-columns // self.min_blocks_per_split), self.max_splits))
+
+    def grid_splits(self, columns: int, groups: int) -> int:
+        """@score's workgroups a group of rows (the template's grid): splits(columns), or with
+        grid_workgroups as few as keep the launch at that many, each taking the group's splits
+        in turn."""
+        if self.grid_workgroups is None:
+            return self.splits(columns)
+        return min(self.splits(columns), -(-self.grid_workgroups // max(groups, 1)))
 
 
 INDEXER = IndexerTuning()
@@ -207,9 +224,13 @@ INDEXER = IndexerTuning()
 INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_heads_mma=64, merge_rows=8,
                                     merge_splits_per_team=16)
 # an untiled (decode) launch on tensor cores: splits of 16 blocks, faster there than 8 at short
-# contexts and the same from 32K, where the lane-wise decode is slower at 16 and keeps 8
-# (decision record in benchmarks/PERF.md)
-INDEXER_MMA = dataclasses.replace(INDEXER, min_blocks_per_split=16)
+# contexts and the same from 32K, where the lane-wise decode is slower at 16 and keeps 8; and a
+# grid of about 1,024 workgroups once the step's groups fill it, each group's workgroups taking its
+# splits in turn (ptxas keeps the loop's score within its 128 registers). The lane-wise and MFMA
+# rows keep a workgroup a split: the loop took gfx942's @score past 128 VGPRs (fewer than 4 waves
+# a SIMD) or into scratch, and the tiled row's CUDA score into more spills (decision record in
+# benchmarks/PERF.md)
+INDEXER_MMA = dataclasses.replace(INDEXER, min_blocks_per_split=16, grid_workgroups=1024)
 
 
 def indexer_tuning(dot: str, tiled: bool) -> IndexerTuning:
