@@ -2,10 +2,10 @@
 (templates/index_topk_gpu.mlir.j2): the same operation as the portable `index_topk`
 (ops/indexer.py, reference.index_topk), the scores never written to memory.
 
-Two dispatches: @score (a workgroup per (split, token): the split's block scores in LDS, then each
-head's top-16 of them into the workspace) and @merge (a workgroup per (token, head): the splits'
-top-16s merged into the row's). GPU targets only (llvm-cpu cannot lower gpu.thread_id); the host
-runs the portable kernel. `dot="fma"` compiles for CUDA and gfx942 (run on CUDA only: no AMD GPU
+Two dispatches: @score (a workgroup per (token, split), every token's first split dispatched
+first: the split's block scores in LDS, then each head's top-16 of them into the workspace) and
+@merge (a workgroup per (token, head): the splits' top-16s merged into the row's). GPU targets
+only (llvm-cpu cannot lower gpu.thread_id); the host runs the portable kernel. `dot="fma"` compiles for CUDA and gfx942 (run on CUDA only: no AMD GPU
 here), `dot="mma"` (tensor cores; which one CUDA serves: tuning.INDEXER_DOT) for CUDA only,
 `dot="mfma"` (matrix cores, bf16 or e4m3fn keys and queries) for gfx942 only: compiled and inspected, NEVER RUN on
 an AMD GPU; its numerics are proven on CUDA by its emulated twin (`emulate_mfma`, tests only).
