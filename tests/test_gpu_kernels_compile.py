@@ -447,7 +447,7 @@ def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
     assert served.gpu_tiled().name.endswith(".b16s64m8x16.mma1cta2.t64") and served.gpu_tiled() in served.specs()
     # a tiled launch takes the tiled row of the tuning table, an untiled one the decode row of its dot
     assert served.gpu_tiled().tuning is INDEXER_TILED and served.gpu().tuning is INDEXER_DECODE
-    assert served.gpu(4).tuning is INDEXER_MMA and ".b16s64g1024.mma1cta2.r4" in served.gpu(4).name
+    assert served.gpu(4).tuning is INDEXER_MMA and ".b16s64g1024.mma1cta2.gm.r4" in served.gpu(4).name
     assert K.indexer_set(MsaConfig(), "gfx942").gpu(4).tuning is INDEXER_DECODE  # (mfma)
     assert all(s.tuning is INDEXER_TILED for s in (tiled[1, "bf16", "gfx942"], tiled[1, "fp8_e4m3fn", "cuda"]))
 
@@ -463,6 +463,20 @@ def test_the_indexer_asks_ptxas_for_workgroups_per_sm_on_tensor_cores_only():
     assert "minctasm" not in none.render() and "cta" not in none.name.split(".")[-2]
     with pytest.raises(ValueError, match="IndexerTuning.min_ctas_per_sm: expected None or 1..8 .* got 0"):
         IndexerTuning(min_ctas_per_sm=0)
+
+
+def test_a_decode_indexers_groups_run_along_x_and_a_tiled_launchs_splits():
+    """group_major: a decode launch's groups along the grid's x (every group's first split
+    dispatched before any second, the working workgroups of a wide table's before its idle
+    ones), a tiled launch's splits along x (they fetch one request's keys from DRAM together);
+    the name says which."""
+    decode = K.IndexTopkGpuSpec(MsaConfig(), dot="mma")
+    tiled = K.IndexTopkGpuSpec(MsaConfig(), rows=64, tiled=True, dot="mma")
+    assert decode.tuning.group_major and not tiled.tuning.group_major
+    d, t = decode.render(), tiled.render()
+    assert "%group = gpu.block_id x" in d and "%split = gpu.block_id y" in d and "@score[%G, %SG]" in d
+    assert "%split = gpu.block_id x" in t and "%group = gpu.block_id y" in t and "@score[%S, %G]" in t
+    assert decode.name.endswith(".mma1cta2.gm") and ".gm" not in tiled.name
 
 
 def test_the_indexer_merges_several_rows_a_workgroup_in_tiled_launches_only():

@@ -64,7 +64,7 @@ def test_the_indexers_grid_follows_its_tuning_row(build, tokens, columns):
     dtypes = ["bfloat16", "uint8", "int32", "int32", "int32", "int32", "float32"]
     (score, grid, constants, _), (merge, _, merge_constants, _) = _plan(build, INDEX_MMA).evaluate(shapes, dtypes)
     sg = row.grid_splits(columns, tokens)
-    assert (score, merge) == ("score", "merge") and grid == [tokens, sg, 1]  # groups along x: first splits first
+    assert (score, merge) == ("score", "merge") and grid == [tokens, sg, 1]  # group_major: groups along x
     assert sg == min(row.splits(columns), max(1, -(-1024 // tokens)))
     if (tokens, columns) == (64, 8192):
         assert sg == 16

@@ -2,8 +2,8 @@
 (templates/index_topk_gpu.mlir.j2): the same operation as the portable `index_topk`
 (ops/indexer.py, reference.index_topk), the scores never written to memory.
 
-Two dispatches: @score (a workgroup per (token, split), every token's first split dispatched
-first: the split's block scores in LDS, then each head's top-16 of them into the workspace) and
+Two dispatches: @score (a workgroup per (split, token), decode launches' tokens along the grid's
+x: the split's block scores in LDS, then each head's top-16 of them into the workspace) and
 @merge (a workgroup per (token, head): the splits' top-16s merged into the row's). GPU targets
 only (llvm-cpu cannot lower gpu.thread_id); the host runs the portable kernel. `dot="fma"` compiles for CUDA and gfx942 (run on CUDA only: no AMD GPU
 here), `dot="mma"` (tensor cores; which one CUDA serves: tuning.INDEXER_DOT) for CUDA only,
@@ -144,6 +144,7 @@ class IndexTopkGpuSpec(TemplateSpec):
                 + (f"g{t.grid_workgroups}" if t.grid_workgroups else "")
                 + (f"m{t.merge_rows}" if t.merge_rows > 1 else "")
                 + (f"x{t.merge_splits_per_team}" if t.merge_splits_per_team != 8 else "") + self._dot_knob
+                + (".gm" if t.group_major else "")
                 + (f".t{self.rows}" if self.tiled else f".r{self.rows}" if self.rows > 1 else "")
                 + (".emit" if self.emit_table else ""))
 
@@ -174,7 +175,7 @@ class IndexTopkGpuSpec(TemplateSpec):
                                FP8Q=self.fp8_queries,
                                KT=MLIR_ELEMENT[c.kv_dtype], FP8=FP8_FORMAT.get(c.kv_dtype), AMDCVT=False,
                                INIT=self.init_blocks, LOCAL=self.local_blocks, MIN_BPS=t.min_blocks_per_split,
-                               MAX_SPLITS=t.max_splits, GRID_WG=t.grid_workgroups, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
+                               MAX_SPLITS=t.max_splits, GRID_WG=t.grid_workgroups, GROUP_MAJOR=t.group_major, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
                                ROWS=self.rows, TILED=self.tiled, QUERY_TILE=QUERY_TILE, DOT=self.dot,
                                TILES=t.tiles_for(c.is_fp8, self.dot), EMULATE=self.emulate_mfma,
                                WAVES_PER_EU=self._waves_per_eu,

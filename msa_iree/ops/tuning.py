@@ -117,6 +117,12 @@ class IndexerTuning:
     # workgroups (all of the longest row's splits while the step's groups are fewer), so the idle
     # ones stop growing with the groups there (decision record in benchmarks/PERF.md)
     grid_workgroups: int | None = None
+    # @score's groups along the grid's x, its splits along y (else the splits along x): every
+    # group's first split is dispatched before any second, the working workgroups of a table
+    # wider than the step's rows placed before its idle ones; a tiled launch's groups share one
+    # request's keys, which its splits along x fetch from DRAM together (decision record in
+    # benchmarks/PERF.md)
+    group_major: bool = False
     key_loads: int = 8
     max_row_heads: int = 4
     # dot="mma" (CUDA tensor cores): tiles of 16 positions a warp has in flight, bf16 / fp8 keys
@@ -213,7 +219,7 @@ class IndexerTuning:
         return min(self.splits(columns), -(-self.grid_workgroups // max(groups, 1)))
 
 
-INDEXER = IndexerTuning()
+INDEXER = IndexerTuning(group_major=True)
 # a tiled (prefill) launch's row: splits of 16 blocks (a workgroup's entry loads, a chain of
 # dependent ones, shared by twice the blocks; @merge's teams read half the splits) and, on tensor
 # cores, 64 (token, head) columns, two teams on each block's keys; two workgroups an SM as the
@@ -222,7 +228,7 @@ INDEXER = IndexerTuning()
 # thousands of rows, each of them a short selection; a decode step's few rows keep a workgroup
 # a row and 8 splits a team: decision record in benchmarks/PERF.md)
 INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_heads_mma=64, merge_rows=8,
-                                    merge_splits_per_team=16)
+                                    merge_splits_per_team=16, group_major=False)
 # an untiled (decode) launch on tensor cores: splits of 16 blocks, faster there than 8 at short
 # contexts and the same from 32K, where the lane-wise decode is slower at 16 and keeps 8; and a
 # grid of about 1,024 workgroups once the step's groups fill it, each group's workgroups taking its
