@@ -5,8 +5,9 @@
 Two dispatches: @score (a workgroup per (split, token), decode launches' tokens along the grid's
 x: the split's block scores in LDS, then each head's top-16 of them into the workspace) and
 @merge (a workgroup per (token, head): the splits' top-16s merged into the row's). GPU targets
-only (llvm-cpu cannot lower gpu.thread_id); the host runs the portable kernel. `dot="fma"` compiles for CUDA and gfx942 (run on CUDA only: no AMD GPU
-here), `dot="mma"` (tensor cores; which one CUDA serves: tuning.INDEXER_DOT) for CUDA only,
+only (llvm-cpu cannot lower gpu.thread_id); the host runs the portable kernel. `dot="fma"`
+compiles for CUDA and gfx942 (run on CUDA only: no AMD GPU here), `dot="mma"` (tensor cores;
+which one CUDA serves: tuning.INDEXER_DOT) for CUDA only,
 `dot="mfma"` (matrix cores, bf16 or e4m3fn keys and queries) for gfx942 only: compiled and inspected, NEVER RUN on
 an AMD GPU; its numerics are proven on CUDA by its emulated twin (`emulate_mfma`, tests only).
 
@@ -175,7 +176,8 @@ class IndexTopkGpuSpec(TemplateSpec):
                                FP8Q=self.fp8_queries,
                                KT=MLIR_ELEMENT[c.kv_dtype], FP8=FP8_FORMAT.get(c.kv_dtype), AMDCVT=False,
                                INIT=self.init_blocks, LOCAL=self.local_blocks, MIN_BPS=t.min_blocks_per_split,
-                               MAX_SPLITS=t.max_splits, GRID_WG=t.grid_workgroups, GROUP_MAJOR=t.group_major, U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
+                               MAX_SPLITS=t.max_splits, GRID_WG=t.grid_workgroups, GROUP_MAJOR=t.group_major,
+                               U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
                                ROWS=self.rows, TILED=self.tiled, QUERY_TILE=QUERY_TILE, DOT=self.dot,
                                TILES=t.tiles_for(c.is_fp8, self.dot), EMULATE=self.emulate_mfma,
                                WAVES_PER_EU=self._waves_per_eu,
