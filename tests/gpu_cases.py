@@ -1,5 +1,5 @@
 """The kernel variants and cases the GPU tests run (tests/test_gpu.py; built by
-tools/build_gpu_tests.py)."""
+tools/build_gpu_tests.py), and a call's operand shapes as the launch-plan tests evaluate them."""
 import dataclasses
 
 from msa_iree.layout import LAYOUT_STRIDES
@@ -145,3 +145,22 @@ def gpu_test_specs():
     # and the decode attends' graph variants (what a forward captured in a CUDA graph launches)
     specs += [s.for_graph() for s in specs if hasattr(s, "for_graph")]
     return list({s.name: s for s in specs}.values())
+
+
+# ---- a call's operands as the launch-plan tests evaluate them (test_launch.py, test_hip_launch.py) ----
+
+def index_operands(spec, tokens, columns):
+    """(shapes, dtypes) of an indexer call: index_q, the index cache's storage, the index block
+    table, req_id, abs_pos, (tiled) the tiles, (emit_table) the attend's block table, then topk,
+    (emit_table) sparse_bt and sparse_ctx, and the workspace."""
+    h, q8 = spec.cfg.num_kv_heads, spec.fp8_queries
+    shapes = [(tokens, h, 128), (900, 16384), (4, columns), (tokens,), (tokens,)]
+    dtypes = ["uint8" if q8 else "bfloat16", "uint8" if spec.cfg.is_fp8 else "bfloat16", "int32", "int32", "int32"]
+    if spec.tiled:
+        shapes, dtypes = shapes + [(-(-tokens // 64) + 3,)], dtypes + ["int32"]
+    if spec.emit_table:
+        shapes, dtypes = shapes + [(4, columns)], dtypes + ["int32"]
+    shapes, dtypes = shapes + [(h, tokens, 16)], dtypes + ["int32"]
+    if spec.emit_table:
+        shapes, dtypes = shapes + [(tokens, h, 128), (tokens, h)], dtypes + ["int32", "int32"]
+    return shapes + [(spec.workspace_floats(tokens, columns),)], dtypes + ["float32"]

@@ -6,6 +6,7 @@ import ctypes
 import json
 import re
 
+import gpu_cases
 import pytest
 import torch
 
@@ -101,23 +102,6 @@ def test_the_inserting_attends_plan_passes_what_its_kernel_declares(build, token
     assert kernels["split"].kernarg_size == 8 * 14 + 4 * sum(k == "by_value" for _, _, k in kernels["split"].args)
 
 
-def _index_operands(spec, tokens, columns):
-    """(shapes, dtypes) of an indexer call: index_q, the index cache's storage, the index block
-    table, req_id, abs_pos, (tiled) the tiles, (emit_table) the attend's block table, then topk,
-    (emit_table) sparse_bt and sparse_ctx, and the workspace."""
-    h, q8 = spec.cfg.num_kv_heads, spec.fp8_queries
-    shapes = [(tokens, h, 128), (900, 16384), (4, columns), (tokens,), (tokens,)]
-    dtypes = ["uint8" if q8 else "bfloat16", "uint8" if spec.cfg.is_fp8 else "bfloat16", "int32", "int32", "int32"]
-    if spec.tiled:
-        shapes, dtypes = shapes + [(-(-tokens // 64) + 3,)], dtypes + ["int32"]
-    if spec.emit_table:
-        shapes, dtypes = shapes + [(4, columns)], dtypes + ["int32"]
-    shapes, dtypes = shapes + [(h, tokens, 16)], dtypes + ["int32"]
-    if spec.emit_table:
-        shapes, dtypes = shapes + [(tokens, h, 128), (tokens, h)], dtypes + ["int32", "int32"]
-    return shapes + [(spec.workspace_floats(tokens, columns),)], dtypes + ["float32"]
-
-
 @pytest.mark.parametrize("spec", [INDEX_DECODE, INDEX_TILED], ids=lambda s: s.name)
 @pytest.mark.parametrize("tokens, columns", [(4, 32), (200, 1000), (4096, 8192)])
 def test_the_mfma_indexers_plan_passes_each_kernel_the_arguments_it_declares(build, spec, tokens, columns):
@@ -128,7 +112,7 @@ def test_the_mfma_indexers_plan_passes_each_kernel_the_arguments_it_declares(bui
     vmfb, plan = _module(build, spec)
     kernels = kernels_of(hsaco_of(vmfb))
     assert set(kernels) == {"score", "merge"}
-    dispatches = DispatchPlan(plan).evaluate(*_index_operands(spec, tokens, columns))
+    dispatches = DispatchPlan(plan).evaluate(*gpu_cases.index_operands(spec, tokens, columns))
     assert [d[0] for d in dispatches] == ["score", "merge"]
     for name, grid, constants, bindings in dispatches:
         check_kernarg_layout(kernels[name], len(bindings), len(constants))

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 
+import gpu_cases
 import pytest
 import torch
 
@@ -50,24 +51,21 @@ def _operands(spec, tokens, workspace=None):
     return shapes, dtypes
 
 
-@pytest.mark.parametrize("tokens, columns", [(1, 32), (8, 8192), (64, 32), (64, 8192), (256, 256), (256, 8192),
-                                            (4096, 8192)])
-def test_the_indexers_grid_follows_its_tuning_row(build, tokens, columns):
-    """@score's grid as IREE lowered the template: the row's grid_splits a group of rows (all of
-    the longest row's splits while the groups are few; past grid_workgroups, as few as keep that
-    many), handed to @score beside the row's splits (the workspace's stride), which @merge gets
-    too. 64 decode tokens over a 1M-token table take 16 workgroups each, not 64."""
+# (decode tokens, table columns, @score's workgroups a token): 16 blocks a split, so C / 16 splits
+# up to 64, and past 1,024 workgroups ceil(1024 / tokens)
+@pytest.mark.parametrize("tokens, columns, sg", [(1, 32, 2), (8, 8192, 64), (64, 32, 2), (64, 8192, 16),
+                                                (256, 256, 4), (256, 8192, 4), (4096, 8192, 1)])
+def test_the_indexers_grid_follows_its_tuning_row(build, tokens, columns, sg):
+    """@score's grid as IREE lowered the template: all of the longest row's splits a group of rows
+    while the groups are few, past grid_workgroups as few as keep that many (the row's
+    grid_splits), handed to @score beside the row's splits (the workspace's stride), which @merge
+    gets too. 64 decode tokens over a 1M-token table take 16 workgroups each, not 64."""
     row = INDEX_MMA.tuning
-    assert row.grid_workgroups == 1024 and row.splits(8192) == 64
-    shapes = [(tokens, 1, 128), (900, 16384), (4, columns), (tokens,), (tokens,), (1, tokens, 16),
-              (INDEX_MMA.workspace_floats(tokens, columns),)]
-    dtypes = ["bfloat16", "uint8", "int32", "int32", "int32", "int32", "float32"]
+    assert (row.min_blocks_per_split, row.grid_workgroups, row.splits(8192)) == (16, 1024, 64)
+    shapes, dtypes = gpu_cases.index_operands(INDEX_MMA, tokens, columns)
     (score, grid, constants, _), (merge, _, merge_constants, _) = _plan(build, INDEX_MMA).evaluate(shapes, dtypes)
-    sg = row.grid_splits(columns, tokens)
+    assert row.grid_splits(columns, tokens) == sg
     assert (score, merge) == ("score", "merge") and grid == [tokens, sg, 1]  # group_major: groups along x
-    assert sg == min(row.splits(columns), max(1, -(-1024 // tokens)))
-    if (tokens, columns) == (64, 8192):
-        assert sg == 16
     # T, N, R, C, S, SG, the workspace's words (indices as low and high words, but S and SG, which
     # IREE knows to be small): the splits' stride and the grid's splits both reach @score
     assert constants == [tokens, 0, 900, 0, 4, 0, columns, 0, row.splits(columns), sg, shapes[-1][0], 0]
