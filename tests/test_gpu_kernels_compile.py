@@ -12,8 +12,8 @@ from msa_iree import compile as C
 from msa_iree import ops as K
 from msa_iree.config import MsaConfig
 from msa_iree.ops.indexer import indexer_config
-from msa_iree.ops.tuning import (ARRIVAL_COUNTERS, INDEXER as INDEXER_DECODE, INDEXER_MMA, INDEXER_TILED, AttendTuning,
-                                 IndexerTuning)
+from msa_iree.ops.tuning import (ARRIVAL_COUNTERS, INDEXER as INDEXER_DECODE, INDEXER_MMA, INDEXER_TILED, TUNING,
+                                 AttendTuning, IndexerTuning)
 from msa_iree.inspect import kernel_report
 
 DECODE = [K.SparseAttnDecodeFmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16),
@@ -699,6 +699,53 @@ def test_mma_merge_ptx_weighs_splits_with_single_instructions(tmp_path, kv):
     assert split.count("ex2.approx") >= 2 + 4 + 8 + 8
     assert "0fBF318000" not in split
     assert split.count("rcp.approx") == 1  # the merge's normalisation (one split divides: div.rn)
+
+
+@pytest.mark.parametrize("family", ["mma", "mfma"])
+def test_a_requests_rows_visit_their_blocks_in_order_only_where_they_share_them(family):
+    """sort_blocks (the matrix families' rows): the rows of a decode step of L > 1 tokens a request
+    take their entries in ascending block order (the name's .sb, its graph and inserting variants
+    too); one token a request, prefill rows and a given page table keep the top-k's order."""
+    target = "cuda" if family == "mma" else "gfx942"
+    decode, prefill = K.GPU_ATTEND[family, target]
+    paged = K.GPU_PAGED_ATTEND[family, target]
+    for L in (1, 2, 4):
+        spec = decode(MsaConfig(kv_dtype="bf16", decode_query_len=L), 16)
+        for variant in (spec, spec.for_graph(), spec.with_insert()):
+            assert variant.knobs()["SORT_BLOCKS"] == (L > 1), variant.name
+            assert variant.name.split(".L")[1].split(".").count("sb") == (L > 1), variant.name
+    assert not prefill(MsaConfig(kv_dtype="bf16"), 16).knobs()["SORT_BLOCKS"]
+    assert not paged(MsaConfig(kv_dtype="bf16"), 16, read_once=False).knobs()["SORT_BLOCKS"]
+    unsorted = decode(MsaConfig(kv_dtype="bf16", decode_query_len=4), 16,
+                      dataclasses.replace(TUNING[family], sort_blocks=False))
+    assert not unsorted.knobs()["SORT_BLOCKS"] and ".sb" not in unsorted.name
+
+
+def test_the_sorted_order_costs_one_barrier(tmp_path):
+    """The rank sort runs between the page-id fetch and the block loop: @split of a decode step of 4
+    tokens a request has exactly one barrier more than the same kernel unsorted, and reads the
+    sorted entries (a second pair of LDS arrays)."""
+    sorted_ = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16", decode_query_len=4), 16)
+    unsorted = dataclasses.replace(sorted_, tuning=dataclasses.replace(sorted_.tuning, sort_blocks=False))
+    _, split_sorted = _entry_ptx(tmp_path / "s", sorted_)
+    _, split_unsorted = _entry_ptx(tmp_path / "u", unsorted)
+    assert split_sorted.count("bar.sync") == split_unsorted.count("bar.sync") + 1
+    assert "%TBu" in sorted_.render() and "%TBu" not in unsorted.render()
+
+
+def test_the_tensor_core_prefill_takes_its_prefill_row():
+    """PREFILL_TUNING: the fp8 tensor-core prefill reads K/V straight into registers at 3 workgroups
+    an SM (its rows are bound by L1/LDS traffic, not by the L2); bf16 keeps the decode row's 2 and
+    its early V; the decode keeps cp.async staging; a tuning row given explicitly wins."""
+    fp8, bf16 = MsaConfig(kv_dtype="fp8_e4m3fn"), MsaConfig(kv_dtype="bf16")
+    prefill = K.SparseAttnPrefillMmaSpec(fp8, 16).knobs()
+    assert prefill["MIN_CTAS"] == 3 and not prefill["ASYNC_KV"]
+    decode = K.SparseAttnDecodeMmaSpec(fp8, 16).knobs()
+    assert decode["MIN_CTAS"] == 2 and decode["ASYNC_KV"]
+    prefill16 = K.SparseAttnPrefillMmaSpec(bf16, 16).knobs()
+    assert prefill16["MIN_CTAS"] == 2 and prefill16["EARLY_V"]
+    assert K.SparseAttnPrefillMmaSpec(fp8, 16, TUNING["mma"]).knobs()["ASYNC_KV"]
+    assert K.SparseAttnPrefillMfmaSpec(fp8, 16).tuning == TUNING["mfma"]
 
 
 def test_a_knob_is_part_of_the_variant_name():

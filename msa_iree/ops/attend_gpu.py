@@ -15,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 
 from .spec import FP8_FORMAT, MLIR_ELEMENT, TemplateSpec, render_template
-from .tuning import ARRIVAL_COUNTERS, TUNING, AttendTuning
+from .tuning import ARRIVAL_COUNTERS, PREFILL_TUNING, TUNING, AttendTuning
 
 
 @dataclasses.dataclass(frozen=True)
 class GpuAttendSpec(TemplateSpec):
-    """One variant of the GPU attend; `tuning` defaults to the family's row of ops/tuning.py."""
+    """One variant of the GPU attend; `tuning` defaults to the family's row of ops/tuning.py (a
+    prefill attend's: its PREFILL_TUNING row where the family has one)."""
 
     tuning: AttendTuning | None = None
     # a page-table variant's rows each read their own pages (a decode step of one token a
@@ -45,7 +46,8 @@ class GpuAttendSpec(TemplateSpec):
 
     def __post_init__(self):
         if self.tuning is None:
-            object.__setattr__(self, "tuning", TUNING[self.family])
+            rows = PREFILL_TUNING if self.prefill else TUNING
+            object.__setattr__(self, "tuning", rows.get(self.family, TUNING[self.family]))
         if self.cfg.group_size not in self.GROUP_SIZES:
             raise ValueError(f"num_heads / num_kv_heads: expected one of {self.GROUP_SIZES} for the GPU attend, "
                              f"got {self.cfg.group_size}")
@@ -88,10 +90,14 @@ class GpuAttendSpec(TemplateSpec):
         # with fused_merge there is no @merge dispatch for its grid knobs to shape
         merge_rows_splits, merge_row_parts = (0, 1) if t.fused_merge else (t.merge_rows_splits, t.merge_row_parts)
         return {"SPLITS": self.tuning.split_rule(fp8), "MERGE_ROWS_SPLITS": merge_rows_splits,
-                "MRP": merge_row_parts, "BT_PRELOAD": bt_preload, "MIN_CTAS": t.min_ctas_per_sm,
+                "MRP": merge_row_parts, "BT_PRELOAD": bt_preload,
+                "MIN_CTAS": t.min_ctas_per_sm_fp8 if fp8 and t.min_ctas_per_sm_fp8 is not None else t.min_ctas_per_sm,
                 "WAVES_PER_EU": None if self.emulate_mfma else t.waves_per_eu, "HW_FP8": hw_fp8,
                 "ASYNC_KV": async_kv, "EARLY_V": t.early_v and not fp8,
-                "Q_FIRST": self.q_first_applies(t.q_first and bt_preload > 0), "FUSED_MERGE": t.fused_merge}
+                "Q_FIRST": self.q_first_applies(t.q_first and bt_preload > 0), "FUSED_MERGE": t.fused_merge,
+                # decode rows of several tokens a request only: a prefill's rows did not gain (its
+                # neighbours' picks overlap less), and a given table's entries are page groups
+                "SORT_BLOCKS": t.sort_blocks and not self.prefill and not self.paged and self.cfg.decode_query_len > 1}
 
     def q_first_applies(self, wanted: bool) -> bool:
         return wanted
@@ -110,7 +116,7 @@ class GpuAttendSpec(TemplateSpec):
         if k["WAVES_PER_EU"]:
             parts.append(f"wpe{k['WAVES_PER_EU']}")
         parts += [flag for key, flag in (("HW_FP8", "hwcvt"), ("ASYNC_KV", "akv"), ("EARLY_V", "ev"),
-                                         ("Q_FIRST", "qf"), ("FUSED_MERGE", "fm")) if k[key]]
+                                         ("Q_FIRST", "qf"), ("FUSED_MERGE", "fm"), ("SORT_BLOCKS", "sb")) if k[key]]
         return ".".join(parts)
 
     @property

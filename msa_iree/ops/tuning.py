@@ -1,4 +1,5 @@
-"""How the hand-written GPU attend is tuned, as data: one row per kernel family.
+"""How the hand-written GPU attend is tuned, as data: one row per kernel family (PREFILL_TUNING: a
+family's prefill row where it departs from that).
 
 This table is the single source of every tuning knob: the attend template receives a row as it
 is (`AttendTuning.template_params`), the spec derives its workspace bound and its name from it, and
@@ -41,6 +42,8 @@ class AttendTuning:
     early_v: bool = False                 # CUDA, K/V read into registers: V requested right after QK
     q_first: bool = False                 # q requested during the page-id fetch (needs bt_preload)
     fused_merge: bool = False             # one dispatch: a row's last @split workgroup to finish merges it
+    min_ctas_per_sm_fp8: int | None = None  # ... for fp8 caches (None: min_ctas_per_sm)
+    sort_blocks: bool = False             # decode rows of L > 1 tokens a request visit their blocks in ascending order
 
     def __post_init__(self):
         for name in ("splits", "splits_fp8"):
@@ -86,6 +89,9 @@ TUNING = {
         early_v=True,         # V's loads in flight during the softmax
         q_first=True,         # fp8 only (mma.q_first_applies): bf16's raw q early was slower
         fused_merge=True,     # one launch, not two: a launch is ~4 us of host time a layer
+        # a request's L tokens pick overlapping blocks; in one order their rows (neighbours in the
+        # grid) reach a shared block at about the same time and the later ones read it from L2
+        sort_blocks=True,
     ),
     "mfma": AttendTuning(
         splits_fp8=SPLITS_AT_MOST_8,
@@ -95,7 +101,14 @@ TUNING = {
         hw_fp8=True,          # e4m3fnuz: v_cvt_pk_f32_fp8, 4 instructions per 4 values, not ~19
         q_first=True,         # the q staging's barrier had put a memory round trip before the first K
         fused_merge=True,     # one dispatch: no launch (nor HIP graph node) for @merge
+        sort_blocks=True,     # the mma row's order (its emulated twin proves the numerics)
     ),
+}
+# Where a family's prefill attend departs from its row above. A prefill's rows each read 16 of the
+# request's blocks from L2: the fp8 rows are bound by L1/LDS traffic, not by the L2 (ncu), and
+# three workgroups an SM reading K/V straight into registers beat two staging it in LDS.
+PREFILL_TUNING = {
+    "mma": dataclasses.replace(TUNING["mma"], async_kv_fp8=False, min_ctas_per_sm_fp8=3),
 }
 
 
