@@ -1,11 +1,13 @@
 """No input gives silent garbage: every bad input is refused by name, before anything is written
 (docs/SPEC.md, "Bad inputs"), and the padded decode batch vLLM builds for CUDA graphs is served."""
+import numpy as np
 import pytest
 import torch
 
 from msa_iree import reference as R
 from msa_iree.layout import allocate_kv_cache, pack_kv_cache
 from msa_iree.runtime import MetadataBuilder, SparseAttention, insert_kv
+from msa_iree.runtime.metadata import _MASKED_IDS, _used_extremes
 from tolerances import assert_attend_close
 
 BF16 = torch.bfloat16
@@ -82,6 +84,23 @@ def test_a_long_block_table_is_checked_over_each_requests_columns_only(host_kern
         bad[r, c] = -3
         with pytest.raises(IndexError, match=f"got -3 at request {r}, column {c} "):
             decode_step(builder, bad.tolist(), seq)
+
+
+@pytest.mark.parametrize("reqs", [1, 2, 5])
+def test_a_long_tables_used_ids_are_reduced_over_each_requests_columns_only(reqs):
+    """The builder's reduction of a table past _MASKED_IDS ids (by segments) against the mask, on
+    seeded tables whose rows use no, some or all of their columns (the last row's end is the
+    table's end) and hold the extreme int32 values past each context."""
+    rng = np.random.default_rng(reqs)
+    cols = 2 * _MASKED_IDS  # even one row is past the mask's bound
+    for _ in range(6):
+        bt = rng.integers(0, 10 ** 6, (reqs, cols)).astype(np.int32)
+        need = rng.choice([0, 1, 7, cols - 1, cols], reqs)
+        unused = np.arange(cols) >= need[:, None]
+        bt[unused] = np.where(rng.integers(0, 2, unused.sum()) == 1, np.iinfo(np.int32).max, np.iinfo(np.int32).min)
+        ids = bt[~unused]
+        expected = (int(ids.max()), int(ids.min())) if ids.size else (-1, 0)
+        assert bt.size > _MASKED_IDS and _used_extremes(bt, need) == expected, need
 
 
 def test_a_block_id_past_the_cache_is_refused_by_the_layer(layer, host_kernels):

@@ -111,14 +111,19 @@ def _used_extremes(block_table, need) -> tuple[int, int]:
     used = need > 0
     if not used.any():
         return -1, 0
-    # segment starts [r * cols, r * cols + need[r]] for every request: the used segments are the
-    # even ones (an unused one between them; the appended 0 closes the last)
-    spans = np.empty(2 * reqs, np.int64)
+    # reduceat over [r * cols, r * cols + need[r]] for every request but the last: the used
+    # segments are the even ones (an unused one between them); the last runs from the last
+    # request's first column to the table's end (an end reduceat cannot take as an index), so its
+    # used columns are reduced on their own
+    flat = block_table.reshape(-1)
+    spans = np.empty(2 * reqs - 1, np.int64)
     spans[0::2] = np.arange(reqs) * cols
-    spans[1::2] = spans[0::2] + need
-    flat = np.append(block_table.reshape(-1), 0)
-    return (int(np.maximum.reduceat(flat, spans)[0::2][used].max()),
-            int(np.minimum.reduceat(flat, spans)[0::2][used].min()))
+    spans[1::2] = spans[0:-1:2] + need[:-1]
+    highs, lows = np.maximum.reduceat(flat, spans)[0::2], np.minimum.reduceat(flat, spans)[0::2]
+    if need[-1] > 0:
+        last = flat[spans[-1]:spans[-1] + need[-1]]
+        highs[-1], lows[-1] = last.max(), last.min()
+    return int(highs[used].max()), int(lows[used].min())
 
 
 def _write_query_tiles(out, starts, lens) -> int:
