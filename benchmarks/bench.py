@@ -60,6 +60,7 @@ from . import anchor
 
 TOPK = 16
 POOL_BYTES = 256 << 20  # cache pool for the L2 rotation: >= 2 block tables' worth and ~5x the H200's 50 MiB L2
+FILL_CHUNK = 1 << 28  # cache elements filled at once (DecodeCase): 1 GiB of f32 temporaries
 WALL_ITERS = 100  # at least this many single calls for a wall-clock median: the H200 host's clock jitters by us
 
 
@@ -197,15 +198,20 @@ class DecodeCase:
         pool = max(2 * mapped, pool_bytes // block_bytes)
         self.k_cache, self.v_cache = allocate_kv_cache(pool, 1, kv_dtype, device=device)
         raw = self.k_cache.view(-1)[: pool * 16 * 2048]  # the whole buffer (interleaved)
-        if kv_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-            # random finite codes of either sign; magnitude >= 1 keeps clear of 0x80 (NaN in e4m3fnuz)
-            raw.view(torch.uint8).copy_(torch.randint(1, 0x78, raw.shape, generator=g, device=device, dtype=torch.uint8)
-                                        | (torch.randint(0, 2, raw.shape, generator=g, device=device,
-                                                         dtype=torch.uint8) << 7))
+        fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+        # filled a chunk at a time: the random temporaries of a 16 GiB pool at once exceed an 80 GB card
+        for part in raw.split(FILL_CHUNK):
+            if fp8:
+                # random finite codes of either sign; magnitude >= 1 keeps clear of 0x80 (NaN in e4m3fnuz)
+                part.view(torch.uint8).copy_(
+                    torch.randint(1, 0x78, part.shape, generator=g, device=device, dtype=torch.uint8)
+                    | (torch.randint(0, 2, part.shape, generator=g, device=device, dtype=torch.uint8) << 7))
+            else:
+                part.copy_(torch.randn(part.shape, generator=g, device=device).to(kv_dtype))
+        if fp8:
             self.k_scale = torch.tensor([0.05], device=device)
             self.v_scale = torch.tensor([0.08], device=device)
         else:
-            raw.copy_(torch.randn(raw.shape, generator=g, device=device).to(kv_dtype))
             self.k_scale = self.v_scale = None
         # rotations of the block table: rotation r a random map onto slice r % slices of the pool, so
         # that consecutive rotations share no block (a replay of them finds none of its K/V in the L2)
