@@ -139,8 +139,8 @@ def gpu_test_specs():
     for kv in ("bf16", "fp8_e4m3fn"):  # runtime.Indexer's, and the benchmark's (both dots: its A/B)
         served = indexer_set(indexer_config(1, kv, "bf16"), "cuda")
         specs += served.specs()
-        specs += [dataclasses.replace(s, dot=dot, tuning=None) for s in served.topk_gpu.values() for dot in GPU_INDEXER_DOTS]
-        specs += [dataclasses.replace(s, dot=dot, rows=INDEXER_TILED.tile_rows(1, dot), tuning=None)
+        specs += [dataclasses.replace(s, dot=dot) for s in served.topk_gpu.values() for dot in GPU_INDEXER_DOTS]
+        specs += [dataclasses.replace(s, dot=dot, rows=INDEXER_TILED.tile_rows(1, dot))
                   for s in served.topk_gpu_tiled.values() for dot in GPU_INDEXER_DOTS]
     # and the decode attends' graph variants (what a forward captured in a CUDA graph launches)
     specs += [s.for_graph() for s in specs if hasattr(s, "for_graph")]

@@ -1373,7 +1373,7 @@ def test_the_gpu_indexers_groups_take_turns_at_their_splits(cuda_kernels, heads,
     cols, blocks, reqs = 8192, 720, 96
     cfg = indexer_config(heads, cache_dtype, "bf16")
     spec = gpu_cases.gpu_indexer_spec(cfg, 16, 1, 1, emit_table=emit, rows=rows, dot="mma")
-    assert spec.tuning.grid_splits(cols, reqs) < -(-700 // spec.tuning.blocks_per_split(700))  # the turns
+    assert spec.tuning_row.grid_splits(cols, reqs) < -(-700 // spec.tuning_row.blocks_per_split(700))  # the turns
     cache = torch.randn(blocks, 128, 128, generator=gen).to(DTYPES[cache_dtype])
     table = torch.randint(0, blocks, (reqs, cols), generator=gen, dtype=torch.int32)
     lengths = [1, 17, 33, 200, 513, 700, 0, 64]  # candidate blocks (0: a padded request)

@@ -166,7 +166,7 @@ INDEX_INSERT = [K.IndexCacheInsertGpuSpec(MsaConfig(kv_dtype=kv)) for kv in ("bf
 
 
 # the tensor-core scoring (CUDA only)
-GPU_INDEXER_MMA = [dataclasses.replace(s, dot="mma", tuning=None) for s in GPU_INDEXER]
+GPU_INDEXER_MMA = [dataclasses.replace(s, dot="mma") for s in GPU_INDEXER]
 # gfx942's matrix-core scoring (bf16 keys and queries): one token, a decode step's tokens (one and
 # two index heads, with the table), query tiles of one and four index heads; and its CUDA twin
 GPU_INDEXER_MFMA = [K.IndexTopkGpuSpec(MsaConfig(), 16, 0, 1, dot="mfma"),
@@ -277,7 +277,8 @@ def test_gfx942_indexer_isa(tmp_path):
     scratch, >= 4 waves per SIMD, the keys read in 16-byte loads, no score tensor between the
     dispatches (@merge reads only the picks and each row's split count)."""
     for spec, functions in _gfx942_indexer_functions(tmp_path, GPU_INDEXER):
-        assert functions["score"]["global_load_x4"] >= spec.tuning.loads_for(spec.rows, spec.cfg.num_kv_heads, spec.cfg.is_fp8), functions["score"]
+        loads = spec.tuning_row.loads_for(spec.rows, spec.cfg.num_kv_heads, spec.cfg.is_fp8)
+        assert functions["score"]["global_load_x4"] >= loads, functions["score"]
     text = GPU_INDEXER[0].render()
     merge = text[text.index("func.func @merge"):text.index("func.func @main")]
     # a pick's key (%at*) and block id (%ati*) of each of a lane's 4 entries, and the row's
@@ -295,7 +296,7 @@ def test_gfx942_mfma_indexer_isa(tmp_path):
     and each column group's), @merge with no MFMA."""
     for spec, functions in _gfx942_indexer_functions(tmp_path, GPU_INDEXER_MFMA):
         groups = -(-spec.rows * spec.cfg.num_kv_heads // 16)
-        tiles, loads = spec.tuning.mfma_tiles, 2 if spec.cfg.is_fp8 else 4
+        tiles, loads = spec.tuning_row.mfma_tiles, 2 if spec.cfg.is_fp8 else 4
         score = functions["score"]
         assert score["mfma"] >= 2 * loads * groups * tiles and functions["merge"]["mfma"] == 0, (spec.name, score)
         assert score["global_load_x4"] >= loads * (tiles + groups) and score["cvt_fp8"] == 0, (spec.name, score)
@@ -384,7 +385,7 @@ def test_the_mma_indexer_ptx_scores_on_tensor_cores(tmp_path, spec):
     IREE's rounding emulation (whose NaN constant 0x7FC0 would show); no lane-wise products
     (fma.rn.f32) left in the score."""
     ptx, score = _entry_ptx(tmp_path, spec, "score")
-    tiles = spec.tuning.tiles_for(spec.cfg.is_fp8)
+    tiles = spec.tuning_row.tiles_for(spec.cfg.is_fp8)
     assert score.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * tiles
     chunks = 2 * (4 if not spec.cfg.is_fp8 else 2)   # a tile's two positions, 16 bytes a chunk
     assert score.count("ld.global.nc.v4") >= chunks * tiles
@@ -446,10 +447,22 @@ def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
     assert served.gpu_tiled(True).emit_table and served.gpu_tiled(True) in served.specs()
     assert served.gpu_tiled().name.endswith(".b16s64m8x16.mma1cta2.t64") and served.gpu_tiled() in served.specs()
     # a tiled launch takes the tiled row of the tuning table, an untiled one the decode row of its dot
-    assert served.gpu_tiled().tuning is INDEXER_TILED and served.gpu().tuning is INDEXER_DECODE
-    assert served.gpu(4).tuning is INDEXER_MMA and ".b16s64g1024.mma1cta2.gm.r4" in served.gpu(4).name
-    assert K.indexer_set(MsaConfig(), "gfx942").gpu(4).tuning is INDEXER_DECODE  # (mfma)
-    assert all(s.tuning is INDEXER_TILED for s in (tiled[1, "bf16", "gfx942"], tiled[1, "fp8_e4m3fn", "cuda"]))
+    assert served.gpu_tiled().tuning_row is INDEXER_TILED and served.gpu().tuning_row is INDEXER_DECODE
+    assert served.gpu(4).tuning_row is INDEXER_MMA and ".b16s64g1024.mma1cta2.gm.r4" in served.gpu(4).name
+    assert K.indexer_set(MsaConfig(), "gfx942").gpu(4).tuning_row is INDEXER_DECODE  # (mfma)
+    assert all(s.tuning_row is INDEXER_TILED for s in (tiled[1, "bf16", "gfx942"], tiled[1, "fp8_e4m3fn", "cuda"]))
+
+
+def test_an_indexer_spec_with_another_dot_takes_that_dots_row():
+    """The knobs in effect follow the launch (dot, tiled) unless a row is given: a spec copied
+    with another dot takes that dot's row, and a given row stays with the copy."""
+    fma = K.IndexTopkGpuSpec(MsaConfig(), dot="fma")
+    assert fma.tuning is None and fma.tuning_row is INDEXER_DECODE
+    mma = dataclasses.replace(fma, dot="mma")
+    assert mma.tuning_row is INDEXER_MMA and "g1024.mma" in mma.name and "g1024" not in fma.name
+    assert dataclasses.replace(mma, dot="fma", rows=4, tiled=True).tuning_row is INDEXER_TILED
+    given = dataclasses.replace(INDEXER_MMA, min_ctas_per_sm=1)
+    assert dataclasses.replace(K.IndexTopkGpuSpec(MsaConfig(), dot="mma", tuning=given), dot="fma").tuning_row is given
 
 
 def test_the_indexer_asks_ptxas_for_workgroups_per_sm_on_tensor_cores_only():
@@ -457,7 +470,7 @@ def test_the_indexer_asks_ptxas_for_workgroups_per_sm_on_tensor_cores_only():
     lane-wise dot (which gfx942 compiles too), and names the variant."""
     mma = K.IndexTopkGpuSpec(MsaConfig(), rows=32, tiled=True, dot="mma")
     fma = K.IndexTopkGpuSpec(MsaConfig(), rows=4, tiled=True, dot="fma")
-    assert mma.tuning.min_ctas_per_sm == 2 and fma.tuning.min_ctas_per_sm == 2
+    assert mma.tuning_row.min_ctas_per_sm == 2 and fma.tuning_row.min_ctas_per_sm == 2
     assert mma.render().count("nvvm.minctasm = 2 : i32") == 1 and "minctasm" not in fma.render()
     none = dataclasses.replace(mma, tuning=dataclasses.replace(INDEXER_DECODE, min_ctas_per_sm=None))
     assert "minctasm" not in none.render() and "cta" not in none.name.split(".")[-2]
@@ -472,7 +485,7 @@ def test_a_decode_indexers_groups_run_along_x_and_a_tiled_launchs_splits():
     the name says which."""
     decode = K.IndexTopkGpuSpec(MsaConfig(), dot="mma")
     tiled = K.IndexTopkGpuSpec(MsaConfig(), rows=64, tiled=True, dot="mma")
-    assert decode.tuning.group_major and not tiled.tuning.group_major
+    assert decode.tuning_row.group_major and not tiled.tuning_row.group_major
     d, t = decode.render(), tiled.render()
     assert "%group = gpu.block_id x" in d and "%split = gpu.block_id y" in d and "@score[%G, %SG]" in d
     assert "%split = gpu.block_id x" in t and "%group = gpu.block_id y" in t and "@score[%S, %G]" in t
@@ -486,8 +499,8 @@ def test_the_indexer_merges_several_rows_a_workgroup_in_tiled_launches_only():
     workgroup and 8 splits a team; the knobs refuse what 8 teams cannot split."""
     tiled = K.IndexTopkGpuSpec(MsaConfig(), rows=64, tiled=True, dot="mma")
     decode = K.IndexTopkGpuSpec(MsaConfig(), dot="mma")
-    assert (tiled.tuning.merge_rows, tiled.tuning.merge_splits_per_team) == (8, 16)
-    assert (decode.tuning.merge_rows, decode.tuning.merge_splits_per_team) == (1, 8)
+    assert (tiled.tuning_row.merge_rows, tiled.tuning_row.merge_splits_per_team) == (8, 16)
+    assert (decode.tuning_row.merge_rows, decode.tuning_row.merge_splits_per_team) == (1, 8)
     t, d = tiled.render(), decode.render()
     assert "%mr_least = arith.constant 1 : index" in t and "%mr_spt = arith.constant 16 : index" in t
     assert "%mr_least = arith.constant 8 : index" in d and "%mr_spt = arith.constant 8 : index" in d
@@ -504,7 +517,7 @@ def test_the_indexer_splits_each_request_by_its_own_candidates():
     the table's width (vLLM's is as wide as its longest context); every candidate is in a split,
     no split is empty, and the grid's splits for any width cover every row it can hold (513
     columns hold a row of 512 candidates: 64 splits of 8, not 57 of 9)."""
-    t = GPU_INDEXER[0].tuning
+    t = GPU_INDEXER[0].tuning_row
     assert (t.min_blocks_per_split, t.max_splits) == (8, 64)
     for row in (t, INDEXER_MMA, INDEXER_TILED):  # every row of the table (8 and 16 blocks a split)
         for cols in [1, 7, 8, 9, 15, 16, 17, 511, 512, 513, 1000, 1024, 1025, 4095, 8192]:

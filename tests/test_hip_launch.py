@@ -118,7 +118,7 @@ def test_the_mfma_indexers_plan_passes_each_kernel_the_arguments_it_declares(bui
         check_kernarg_layout(kernels[name], len(bindings), len(constants))
         assert min(grid) >= 1 and kernels[name].block == (256, 1, 1)
     score_grid = dispatches[0][1]
-    assert score_grid[0] * score_grid[1] * score_grid[2] >= spec.tuning.splits(columns) * -(-tokens // 64)
+    assert score_grid[0] * score_grid[1] * score_grid[2] >= spec.tuning_row.splits(columns) * -(-tokens // 64)
 
 
 def test_a_code_object_declaring_other_arguments_is_refused():

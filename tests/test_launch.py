@@ -60,7 +60,7 @@ def test_the_indexers_grid_follows_its_tuning_row(build, tokens, columns, sg):
     while the groups are few, past grid_workgroups as few as keep that many (the row's
     grid_splits), handed to @score beside the row's splits (the workspace's stride), which @merge
     gets too. 64 decode tokens over a 1M-token table take 16 workgroups each, not 64."""
-    row = INDEX_MMA.tuning
+    row = INDEX_MMA.tuning_row
     assert (row.min_blocks_per_split, row.grid_workgroups, row.splits(8192)) == (16, 1024, 64)
     shapes, dtypes = gpu_cases.index_operands(INDEX_MMA, tokens, columns)
     (score, grid, constants, _), (merge, _, merge_constants, _) = _plan(build, INDEX_MMA).evaluate(shapes, dtypes)

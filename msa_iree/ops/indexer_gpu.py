@@ -37,7 +37,7 @@ class IndexTopkGpuSpec(TemplateSpec):
 
     init_blocks: int = 0
     local_blocks: int = 1
-    tuning: IndexerTuning | None = None   # None: the launch's row, tuning.indexer_tuning(dot, tiled)
+    tuning: IndexerTuning | None = None   # a row of knobs in place of the launch's (None: see `tuning_row`)
     # also the attend's page table for the picks (@merge writes it): main then takes the attention
     # group's block table after abs_pos, and sparse_bt [>= T, H, 128], sparse_ctx [>= T, H] int32
     # between topk and the workspace
@@ -83,8 +83,6 @@ class IndexTopkGpuSpec(TemplateSpec):
     MFMA_OPERANDS = (("bf16", "bf16"), ("fp8_e4m3fn", "fp8_e4m3fn"))
 
     def __post_init__(self):
-        if self.tuning is None:
-            object.__setattr__(self, "tuning", indexer_tuning(self.dot, self.tiled))
         check_index_cache_dtype(self.cfg, self.fp8_queries)
         if self.cfg.num_kv_heads not in self.INDEX_HEADS:
             raise ValueError(f"num_kv_heads: expected index heads per rank in {self.INDEX_HEADS} for the GPU "
@@ -116,6 +114,13 @@ class IndexTopkGpuSpec(TemplateSpec):
                              f"selects each), got {self.rows} with {self.cfg.num_kv_heads} index heads")
 
     @property
+    def tuning_row(self) -> IndexerTuning:
+        """The knobs in effect: `tuning` where given, else the launch's row (tuning.indexer_tuning:
+        by dot and tiled), derived on access, so that dataclasses.replace(spec, dot=...) takes the
+        new dot's row."""
+        return self.tuning or indexer_tuning(self.dot, self.tiled)
+
+    @property
     def written_operands(self) -> tuple:
         """topk (with emit_table: and the table), then the workspace: a stream launch writes only those."""
         return (-4, -3, -2, -1) if self.emit_table else (-2, -1)
@@ -139,7 +144,7 @@ class IndexTopkGpuSpec(TemplateSpec):
 
     @property
     def variant(self):
-        c, t = self.cfg, self.tuning
+        c, t = self.cfg, self.tuning_row
         return (f"h{c.num_kv_heads}.{c.kv_dtype}.q{index_q_dtype(c, self.fp8_queries)}.k{c.topk}.init{self.init_blocks}."
                 f"local{self.local_blocks}.b{t.min_blocks_per_split}s{t.max_splits}"
                 + (f"g{t.grid_workgroups}" if t.grid_workgroups else "")
@@ -151,7 +156,7 @@ class IndexTopkGpuSpec(TemplateSpec):
 
     @property
     def _dot_knob(self) -> str:
-        t, c = self.tuning, self.cfg
+        t, c = self.tuning_row, self.cfg
         if self.dot == "mma":
             return f".mma{t.tiles_for(c.is_fp8)}" + (f"cta{t.min_ctas_per_sm}" if t.min_ctas_per_sm else "")
         if self.dot == "mfma":
@@ -162,16 +167,16 @@ class IndexTopkGpuSpec(TemplateSpec):
     @property
     def _waves_per_eu(self) -> int | None:
         """gfx942's waves per SIMD asked of the register allocator: the MFMA kernel's (not its twin's)."""
-        return self.tuning.mfma_waves_per_eu if self.dot == "mfma" and not self.emulate_mfma else None
+        return self.tuning_row.mfma_waves_per_eu if self.dot == "mfma" and not self.emulate_mfma else None
 
     def describe(self) -> dict:
         return {**super().describe(), "init_blocks": self.init_blocks, "local_blocks": self.local_blocks,
                 "emit_table": self.emit_table, "rows": self.rows, "tiled": self.tiled, "dot": self.dot,
                 "fp8_queries": self.fp8_queries, "emulate_mfma": self.emulate_mfma,
-                "tuning": dataclasses.asdict(self.tuning)}
+                "tuning": dataclasses.asdict(self.tuning_row)}
 
     def render(self) -> str:
-        c, t = self.cfg, self.tuning
+        c, t = self.cfg, self.tuning_row
         return render_template(self.template, H=c.num_kv_heads, QT=MLIR_ELEMENT[index_q_dtype(c, self.fp8_queries)],
                                FP8Q=self.fp8_queries,
                                KT=MLIR_ELEMENT[c.kv_dtype], FP8=FP8_FORMAT.get(c.kv_dtype), AMDCVT=False,
@@ -194,4 +199,4 @@ class IndexTopkGpuSpec(TemplateSpec):
     def workspace_floats(self, num_tokens: int, columns: int) -> int:
         """32-bit words of the workspace for num_tokens tokens over `columns` block-table columns:
         each split's 16 picks (key and block id) per (token, head), then each token's splits."""
-        return (2 * self.cfg.num_kv_heads * self.tuning.splits(columns) * 16 + 1) * num_tokens
+        return (2 * self.cfg.num_kv_heads * self.tuning_row.splits(columns) * 16 + 1) * num_tokens
