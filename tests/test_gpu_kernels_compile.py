@@ -746,6 +746,65 @@ def test_the_sorted_order_costs_one_barrier(tmp_path):
     assert "%TBu" in sorted_.render() and "%TBu" not in unsorted.render()
 
 
+def test_only_rows_that_read_their_own_pages_prefetch_the_next_block():
+    """prefetch_next (mma): a decode of one token a request asks the L2 for its next block's K
+    (bf16) or K and V (fp8), its graph and inserting variants too (the name's .pfk / .pfkv); rows
+    that share pages (L > 1, prefill) and a given page table do not; other families refuse it."""
+    for kv, sides in (("bf16", "k"), ("fp8_e4m3fn", "kv")):
+        for L in (1, 2, 4):
+            spec = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv, decode_query_len=L), 16)
+            for variant in (spec, spec.for_graph(), spec.with_insert()):
+                assert variant.knobs()["PREFETCH_NEXT"] == (sides if L == 1 else ""), variant.name
+                assert variant.name.split(".L")[1].split(".").count(f"pf{sides}") == (L == 1), variant.name
+        assert not K.SparseAttnPrefillMmaSpec(MsaConfig(kv_dtype=kv), 16).knobs()["PREFETCH_NEXT"]
+        for read_once in (False, True):
+            assert not K.SparseAttnPagedMmaSpec(MsaConfig(kv_dtype=kv), 16, read_once=read_once).knobs()["PREFETCH_NEXT"]
+    with pytest.raises(ValueError, match="tuning.prefetch_next: expected only for the mma family"):
+        K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="bf16"), 16, dataclasses.replace(TUNING["mfma"], prefetch_next="k"))
+    with pytest.raises(ValueError, match=r"prefetch_next, prefetch_next_fp8: expected '', 'k', 'v' or 'kv'.*'q', None"):
+        AttendTuning(prefetch_next="q")
+
+
+@pytest.mark.parametrize("kv, sides", [("bf16", "k"), ("bf16", "kv"), ("fp8_e4m3fn", "kv"), ("fp8_e4m3fn", "v")])
+def test_the_prefetch_asks_for_the_next_blocks_pages_in_the_cache(tmp_path, kv, sides):
+    """In the PTX of @split: one prefetch.global.L2 a lane and side (fp8 with both sides: one, its
+    lanes split between them), each at a K or V binding's address plus a page id times the page's
+    bytes (4096 bf16, 2048 fp8), that page id clamped into its binding's pages (min.s64) like
+    every load's; none without the knob."""
+    tuning = dataclasses.replace(TUNING["mma"], prefetch_next=sides, prefetch_next_fp8=sides)
+    spec = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv), 16, tuning)
+    _, split = _entry_ptx(tmp_path / "p", spec)
+    prefetches = re.findall(r"prefetch\.global\.L2 \[(%rd\d+)\];", split)
+    assert len(prefetches) == (1 if kv != "bf16" and sides == "kv" else len(sides))
+    shift = 12 if kv == "bf16" else 11
+    params = {"k": "split_param_1", "v": "split_param_2"}
+    for reg in prefetches:
+        # walk the address back: adds of a base and a shifted, clamped page id
+        chain = _defining_chain(split, reg)
+        assert "shl.b64" in chain and f", {shift};" in chain and "min.s64" in chain, chain
+        assert any(params[side] in chain for side in sides), chain
+    unprefetched = dataclasses.replace(spec, tuning=dataclasses.replace(tuning, prefetch_next="", prefetch_next_fp8=""))
+    assert "prefetch" not in _entry_ptx(tmp_path / "n", unprefetched)[1]
+
+
+def _defining_chain(ptx: str, reg: str, depth: int = 40) -> str:
+    """The PTX lines that define `reg` and, recursively, their operands (up to `depth` levels)."""
+    lines, todo, seen = [], [reg], set()
+    while todo and depth:
+        depth -= 1
+        nxt = []
+        for r in todo:
+            if r in seen:
+                continue
+            seen.add(r)
+            for line in re.findall(rf"^\s*[\w.:]+\s+{re.escape(r)},[^\n]*$", ptx, re.M):
+                lines.append(line.strip())
+                nxt += [x for x in re.findall(r"%r[d]?\d+", line.split(",", 1)[1])]
+                nxt += re.findall(r"\[(split_param_\d+)\]", line)
+        todo = nxt
+    return "\n".join(lines)
+
+
 def test_the_tensor_core_prefill_takes_its_prefill_row():
     """PREFILL_TUNING: the fp8 tensor-core prefill reads K/V straight into registers at 3 workgroups
     an SM (its rows are bound by L1/LDS traffic, not by the L2); bf16 keeps the decode row's 2 and
@@ -768,12 +827,12 @@ def test_a_knob_is_part_of_the_variant_name():
     other = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16, AttendTuning(bt_preload=512))
     assert base.name != other.name and "bt1024" in base.name and "bt512" in other.name
     # bf16: no fp8 knobs; fused_merge: no @merge grid knobs
-    assert base.name.endswith(".L1.r16s16-r32s8-r64s4-r128s2.bt1024.cta2.ev.fm")
+    assert base.name.endswith(".L1.r16s16-r32s8-r64s4-r128s2.bt1024.cta2.ev.fm.pfk")
     fp8 = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16)
-    assert fp8.name.endswith(".hwcvt.akv.qf.fm")  # no early V with cp.async staging
+    assert fp8.name.endswith(".hwcvt.akv.qf.fm.pfkv")  # no early V with cp.async staging
     unfused = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16,
                                         dataclasses.replace(base.tuning, fused_merge=False))
-    assert unfused.name.endswith(".L1.r16s16-r32s8-r64s4-r128s2.mr4x2.bt1024.cta2.ev")
+    assert unfused.name.endswith(".L1.r16s16-r32s8-r64s4-r128s2.mr4x2.bt1024.cta2.ev.pfk")
     mfma = K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16)
     assert ".r16s8-r32s8-r64s4-r128s2." in mfma.name and ".wpe4." in mfma.name
     assert ".wpe" not in K.SparseAttnDecodeMfmaEmulatedSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16).name

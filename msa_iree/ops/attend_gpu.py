@@ -56,6 +56,9 @@ class GpuAttendSpec(TemplateSpec):
         if self.tuning.fused_merge and self.family not in self.FUSED_FAMILIES:
             raise ValueError(f"tuning.fused_merge: expected only for the {'/'.join(self.FUSED_FAMILIES)} families "
                              f"(their @split writes the output itself), got it for {self.family}")
+        if (self.tuning.prefetch_next or self.tuning.prefetch_next_fp8) and self.family != "mma":
+            raise ValueError(f"tuning.prefetch_next: expected only for the mma family (CUDA's prefetch.global.L2), "
+                             f"got it for {self.family}")
         if self.insert_kv and (self.prefill or self.paged or self.family not in self.FUSED_FAMILIES):
             raise ValueError(f"insert_kv: expected only for a decode attend of the {'/'.join(self.FUSED_FAMILIES)} "
                              f"families, got it for {self.kernel}")
@@ -97,7 +100,10 @@ class GpuAttendSpec(TemplateSpec):
                 "Q_FIRST": self.q_first_applies(t.q_first and bt_preload > 0), "FUSED_MERGE": t.fused_merge,
                 # decode rows of several tokens a request only: a prefill's rows did not gain (its
                 # neighbours' picks overlap less), and a given table's entries are page groups
-                "SORT_BLOCKS": t.sort_blocks and not self.prefill and not self.paged and self.cfg.decode_query_len > 1}
+                "SORT_BLOCKS": t.sort_blocks and not self.prefill and not self.paged and self.cfg.decode_query_len > 1,
+                # decode rows of one token a request only: where rows share pages the L2 is the bound
+                # (a given table's read_once is not in the module's name: its module stays one)
+                "PREFETCH_NEXT": t.prefetch_sides(fp8) if self.kv_read_once and not self.paged else ""}
 
     def q_first_applies(self, wanted: bool) -> bool:
         return wanted
@@ -117,6 +123,8 @@ class GpuAttendSpec(TemplateSpec):
             parts.append(f"wpe{k['WAVES_PER_EU']}")
         parts += [flag for key, flag in (("HW_FP8", "hwcvt"), ("ASYNC_KV", "akv"), ("EARLY_V", "ev"),
                                          ("Q_FIRST", "qf"), ("FUSED_MERGE", "fm"), ("SORT_BLOCKS", "sb")) if k[key]]
+        if k["PREFETCH_NEXT"]:
+            parts.append(f"pf{k['PREFETCH_NEXT']}")
         return ".".join(parts)
 
     @property

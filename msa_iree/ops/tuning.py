@@ -44,6 +44,9 @@ class AttendTuning:
     fused_merge: bool = False             # one dispatch: a row's last @split workgroup to finish merges it
     min_ctas_per_sm_fp8: int | None = None  # ... for fp8 caches (None: min_ctas_per_sm)
     sort_blocks: bool = False             # decode rows of L > 1 tokens a request visit their blocks in ascending order
+    prefetch_next: str = ""               # mma, rows that read their own pages: the next entry's pages of these
+                                          # sides ("k", "v", "kv") asked of the L2 as a block starts, 16-bit caches
+    prefetch_next_fp8: str | None = None  # ... for fp8 caches (None: prefetch_next)
 
     def __post_init__(self):
         for name in ("splits", "splits_fp8"):
@@ -56,9 +59,16 @@ class AttendTuning:
         if split_rows > ARRIVAL_COUNTERS:
             raise ValueError(f"AttendTuning: expected rows split over workgroups only up to {ARRIVAL_COUNTERS} "
                              f"(the workspace's arrival counters), got a rule splitting {split_rows} rows")
+        sides = ("", "k", "v", "kv")
+        if self.prefetch_next not in sides or self.prefetch_next_fp8 not in sides + (None,):
+            raise ValueError(f"AttendTuning.prefetch_next, prefetch_next_fp8: expected '', 'k', 'v' or 'kv' (the "
+                             f"sides prefetched; fp8 also None), got {self.prefetch_next!r}, {self.prefetch_next_fp8!r}")
         if self.bt_preload % 256:  # the staged row is copied by the 256 threads, 256 columns a step
             raise ValueError(f"AttendTuning.bt_preload: expected a multiple of 256 block-table columns, "
                              f"got {self.bt_preload}")
+
+    def prefetch_sides(self, fp8: bool) -> str:
+        return self.prefetch_next_fp8 if fp8 and self.prefetch_next_fp8 is not None else self.prefetch_next
 
     def split_rule(self, fp8: bool) -> tuple:
         return self.splits_fp8 if fp8 else self.splits
@@ -92,6 +102,12 @@ TUNING = {
         # a request's L tokens pick overlapping blocks; in one order their rows (neighbours in the
         # grid) reach a shared block at about the same time and the later ones read it from L2
         sort_blocks=True,
+        # rows that read their own pages (one token a request) ask the L2 for the next block as
+        # a block starts: bf16 its K (its V is requested early already; both sides were slower),
+        # fp8 both (its K is staged a block ahead, but only after QK). Faster warm and in a graph
+        # of 57 layers, a little slower right after an L2 flush (decision record in
+        # benchmarks/PERF.md); rows that share pages (L > 1, prefill) are bound by the L2 and lost
+        prefetch_next="k", prefetch_next_fp8="kv",
     ),
     "mfma": AttendTuning(
         splits_fp8=SPLITS_AT_MOST_8,
