@@ -747,18 +747,23 @@ def test_the_sorted_order_costs_one_barrier(tmp_path):
 
 
 def test_only_rows_that_read_their_own_pages_prefetch_the_next_block():
-    """prefetch_next (mma): a decode of one token a request asks the L2 for its next block's K
-    (bf16) or K and V (fp8), its graph and inserting variants too (the name's .pfk / .pfkv); rows
-    that share pages (L > 1, prefill) and a given page table do not; other families refuse it."""
+    """prefetch_next (mma): a decode of one token a request asks the L2 for its next block's pages
+    of the row's sides for its dtype (the served row: bf16 K, fp8 none), its graph and inserting
+    variants too (the name's .pfk / .pfkv); rows that share pages (L > 1, prefill) and a given page
+    table do not; other families refuse it."""
+    served = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16)
+    assert K.SparseAttnDecodeMmaSpec(MsaConfig(), 16).knobs()["PREFETCH_NEXT"] == "k"
+    assert served.knobs()["PREFETCH_NEXT"] == "" and ".pf" not in served.name
+    row = dataclasses.replace(TUNING["mma"], prefetch_next="k", prefetch_next_fp8="kv")
     for kv, sides in (("bf16", "k"), ("fp8_e4m3fn", "kv")):
         for L in (1, 2, 4):
-            spec = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv, decode_query_len=L), 16)
+            spec = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype=kv, decode_query_len=L), 16, row)
             for variant in (spec, spec.for_graph(), spec.with_insert()):
                 assert variant.knobs()["PREFETCH_NEXT"] == (sides if L == 1 else ""), variant.name
                 assert variant.name.split(".L")[1].split(".").count(f"pf{sides}") == (L == 1), variant.name
-        assert not K.SparseAttnPrefillMmaSpec(MsaConfig(kv_dtype=kv), 16).knobs()["PREFETCH_NEXT"]
+        assert not K.SparseAttnPrefillMmaSpec(MsaConfig(kv_dtype=kv), 16, row).knobs()["PREFETCH_NEXT"]
         for read_once in (False, True):
-            assert not K.SparseAttnPagedMmaSpec(MsaConfig(kv_dtype=kv), 16, read_once=read_once).knobs()["PREFETCH_NEXT"]
+            assert not K.SparseAttnPagedMmaSpec(MsaConfig(kv_dtype=kv), 16, row, read_once=read_once).knobs()["PREFETCH_NEXT"]
     with pytest.raises(ValueError, match="tuning.prefetch_next: expected only for the mma family"):
         K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="bf16"), 16, dataclasses.replace(TUNING["mfma"], prefetch_next="k"))
     with pytest.raises(ValueError, match=r"prefetch_next, prefetch_next_fp8: expected '', 'k', 'v' or 'kv'.*'q', None"):
@@ -829,7 +834,7 @@ def test_a_knob_is_part_of_the_variant_name():
     # bf16: no fp8 knobs; fused_merge: no @merge grid knobs
     assert base.name.endswith(".L1.r16s16-r32s8-r64s4-r128s2.bt1024.cta2.ev.fm.pfk")
     fp8 = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16)
-    assert fp8.name.endswith(".hwcvt.akv.qf.fm.pfkv")  # no early V with cp.async staging
+    assert fp8.name.endswith(".hwcvt.akv.qf.fm")  # no early V with cp.async staging
     unfused = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="bf16"), 16,
                                         dataclasses.replace(base.tuning, fused_merge=False))
     assert unfused.name.endswith(".L1.r16s16-r32s8-r64s4-r128s2.mr4x2.bt1024.cta2.ev.pfk")

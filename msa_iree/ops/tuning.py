@@ -102,12 +102,12 @@ TUNING = {
         # a request's L tokens pick overlapping blocks; in one order their rows (neighbours in the
         # grid) reach a shared block at about the same time and the later ones read it from L2
         sort_blocks=True,
-        # rows that read their own pages (one token a request) ask the L2 for the next block as
-        # a block starts: bf16 its K (its V is requested early already; both sides were slower),
-        # fp8 both (its K is staged a block ahead, but only after QK). Faster warm and in a graph
-        # of 57 layers, a little slower right after an L2 flush (decision record in
-        # benchmarks/PERF.md); rows that share pages (L > 1, prefill) are bound by the L2 and lost
-        prefetch_next="k", prefetch_next_fp8="kv",
+        # rows that read their own pages (one token a request) ask the L2 for the next block's K
+        # as a block starts (bf16: its V is requested early already, and both sides were slower):
+        # faster warm and in a graph of 57 layers, about the same right after an L2 flush. fp8
+        # none: on an H200 both sides were 4-7% slower (an H100 gained 11-19% warm). Rows that
+        # share pages (L > 1, prefill) are bound by the L2 and lost (benchmarks/PERF.md)
+        prefetch_next="k", prefetch_next_fp8="",
     ),
     "mfma": AttendTuning(
         splits_fp8=SPLITS_AT_MOST_8,
