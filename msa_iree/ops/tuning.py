@@ -105,8 +105,9 @@ TUNING = {
         # rows that read their own pages (one token a request) ask the L2 for the next block's K
         # as a block starts (bf16: its V is requested early already, and both sides were slower):
         # faster warm and in a graph of 57 layers, about the same right after an L2 flush. fp8
-        # none: on an H200 both sides were 4-7% slower (an H100 gained 11-19% warm). Rows that
-        # share pages (L > 1, prefill) are bound by the L2 and lost (benchmarks/PERF.md)
+        # none: on an H200 both sides were 2-7% slower (an H100 gained 11-19% warm). Rows that
+        # share pages keep none: they are bound by the L2, and L > 1 lost 3-26% (prefill, bound
+        # the same way, unmeasured; decision record in benchmarks/PERF.md)
         prefetch_next="k", prefetch_next_fp8="",
     ),
     "mfma": AttendTuning(
