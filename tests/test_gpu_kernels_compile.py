@@ -804,8 +804,7 @@ def _defining_chain(ptx: str, reg: str, depth: int = 40) -> str:
             seen.add(r)
             for line in re.findall(rf"^\s*[\w.:]+\s+{re.escape(r)},[^\n]*$", ptx, re.M):
                 lines.append(line.strip())
-                nxt += [x for x in re.findall(r"%r[d]?\d+", line.split(",", 1)[1])]
-                nxt += re.findall(r"\[(split_param_\d+)\]", line)
+                nxt += re.findall(r"%rd?\d+", line.split(",", 1)[1])
         todo = nxt
     return "\n".join(lines)
 
