@@ -205,6 +205,22 @@ def test_other_padding_forms_are_refused(host_kernels, qsl, seq, computed, num_a
         builder.build(bt, i32(seq), i32(qsl), i32(computed), 1, len(seq), num_actual_tokens=num_actual_tokens)
 
 
+@pytest.mark.parametrize("L, qsl, seq, computed, match", [
+    (1, [1, 2, 3], [200, 130], [199, 129], "query_start_loc: expected non-decreasing offsets from 0"),
+    (1, [0, 1, 2], [200, 131], [199, 129], "seq_lens: expected num_computed_tokens \\+ query length = 130 for "
+                                           "request 1, got 131"),
+    (2, [0, 2, 3], [200, 130], [198, 129], "decode query lengths: expected decode_query_len=2 for each of the first "
+                                           "num_decodes=2 requests, got 1 for request 1"),
+    (1, [0, 1, 2], [200, 4097], [199, 4096], "seq_lens: expected at most max_model_len=4096 tokens a request, got "
+                                             "4097 for request 1"),
+])
+def test_a_decode_step_out_of_order_is_refused_and_named(host_kernels, L, qsl, seq, computed, match):
+    builder = MetadataBuilder(8, 4096, kernels=host_kernels)
+    bt = i32([list(range(32))] * len(seq))
+    with pytest.raises(ValueError, match=match):
+        builder.build(bt, i32(seq), i32(qsl), i32(computed), L, len(seq))
+
+
 def test_insert_checks_the_step_against_its_cache_without_a_sync(host_kernels):
     kc, vc = allocate_kv_cache(2, 1, BF16, "interleaved", fill=0)
     before = kc.clone()

@@ -86,10 +86,20 @@ class MsaMetadata:
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_NO_PREFILLS = np.zeros(0, np.int64)
 
 
 def _cdiv(a, b):
     return -(-a // b)
+
+
+# the per-step path reduces a few dozen small arrays: ndarray.any/max/min go through Python
+# wrappers, the ufuncs' reductions and count_nonzero do not (~1 us less each)
+_max, _min = np.maximum.reduce, np.minimum.reduce
+
+
+def _none(mask) -> bool:
+    return not np.count_nonzero(mask)
 
 
 def _first(mask) -> int | None:
@@ -107,7 +117,7 @@ def _used_extremes(block_table, need) -> tuple[int, int]:
     reqs, cols = block_table.shape
     if block_table.size <= _MASKED_IDS:
         ids = block_table[np.arange(cols) < need[:, None]]
-        return (int(ids.max()), int(ids.min())) if ids.size else (-1, 0)
+        return (int(_max(ids)), int(_min(ids))) if ids.size else (-1, 0)
     used = need > 0
     if not used.any():
         return -1, 0
@@ -159,6 +169,26 @@ def _input_starts(b: int, cols: int) -> tuple[int, int]:
     return at, at + b * cols
 
 
+class _InputLayout:
+    """Where the inputs of one step shape sit in the input buffer, [qsl | seq_lens | computed |
+    zeros to the block table's aligned start | block table | slots], and the host views the
+    checks read."""
+
+    def __init__(self, builder, b, cols, n_slots):
+        at_bt, at_slots = _input_starts(b, cols)
+        self.stage, self.host_stage = builder._inputs[:at_slots + n_slots], builder._host_inputs[:at_slots + n_slots]
+        host = self.host_stage.numpy()
+        self.small, self.block_table, self.slots = host[:3 * b + 1], host[at_bt:at_slots].reshape(b, cols), host[at_slots:]
+        self.gap = at_bt - 3 * b - 1
+        self._zeros = {}  # device -> the gap's zeros there
+
+    def zeros(self, device):
+        zeros = self._zeros.get(device)
+        if zeros is None:
+            zeros = self._zeros[device] = torch.zeros(self.gap, dtype=torch.int32, device=device)
+        return zeros
+
+
 class _StepLayout:
     """Where the tensors of one step shape live in the builder's buffers: the views that every
     step of the shape reuses (making them costs more host time than the rest of a decode step's
@@ -188,15 +218,24 @@ class _StepLayout:
         self.n_derived = _aligned(self.at[names[-1]] + sizes[-1])
         self.derived, self.host_derived = builder._derived[:self.n_derived], builder._host_derived[:self.n_derived]
         views = [self.derived[self.at[k]:self.at[k] + size] for k, size in zip(names, sizes)]
+        host = self.host_derived.numpy()
+        self.host = {k: host[self.at[k]:self.at[k] + size] for k, size in zip(names, sizes)}  # what _derive writes
+        self.num_prefills, self.decode_tokens, self.L = num_prefills, nd * L, L
+        # the decode rows' requests (t // L) and their positions' offsets from seq_len (t % L - L)
+        self.decode_req = np.arange(nd * L, dtype=np.int32) // L
+        self.decode_offset = np.arange(nd * L, dtype=np.int32) % L - L
         page16, self.page16_slots, self.slots = views[0].view(b, cols), views[1], views[2]
         self.prefill_views, self.tiles = (views[3:7], views[7]) if num_prefills else ((), None)
         self.token_req_id, self.token_abs_pos, seq_lens, seq_prefill, bt_prefill, page16_prefill = views[-6:]
         at_bt, _ = _input_starts(b, cols)
         block_table = builder._inputs[at_bt:at_bt + b * cols].view(b, cols)
         self.block_table = block_table
-        self.decode = (block_table[:nd], seq_lens[:nd], page16[:nd]) if nd else None
-        self.prefill = (bt_prefill.view(num_prefills, cols), seq_prefill, page16_prefill.view(num_prefills, cols)) \
-            if num_prefills else None
+        self.decode = DecodeMetadata(block_table[:nd], seq_lens[:nd], L, page16[:nd]) if nd else None
+        self.prefill = None
+        if num_prefills:
+            cu, ctx, query_req_id, query_abs_pos = self.prefill_views
+            self.prefill = PrefillMetadata(bt_prefill.view(num_prefills, cols), cu, seq_prefill, ctx, query_req_id,
+                                           query_abs_pos, page16_prefill.view(num_prefills, cols))
         self.token_index = builder._token_index[:n]
         step = (block_table, seq_lens, page16, self.slots, self.token_index, *self.prefill_views,
                 self.token_req_id, self.token_abs_pos)
@@ -232,6 +271,7 @@ class MetadataBuilder:
         self.max_cols = _cdiv(max_model_len, BLOCK_SIZE)
         self.gpu_writer = kernels is not None and kernels.target in InsertKvGpuSpec.targets
         self._layouts = {}
+        self._decode_qsl = {}  # (reqs, L) -> a decode step's query_start_loc
         self._copy_stream = None  # on a GPU: the stream of the last copy of the derived values to the device
         tokens = max_num_tokens or max_num_seqs * 8
         self._allocate_inputs(max_num_seqs * (self.max_cols + 3) + 1 + tokens + ALIGN)
@@ -246,18 +286,16 @@ class MetadataBuilder:
 
     def _allocate_inputs(self, n):
         self._inputs, self._host_inputs = self._buffer(n)
-        self._stages = {}  # input count -> (device view, host view, its numpy array)
+        self._stages = {}  # (reqs, cols, slot entries) -> _InputLayout
         self._layouts.clear()
 
-    def _stage(self, n):
-        """The first n values of the input buffer: (device view, host view, host numpy array)."""
-        views = self._stages.get(n)
-        if views is None:
-            if n > self._inputs.shape[0]:
-                self._allocate_inputs(n)
-            host = self._host_inputs[:n]
-            views = self._stages[n] = (self._inputs[:n], host, host.numpy())
-        return views
+    def _input_layout(self, b, cols, n_slots) -> _InputLayout:
+        layout = self._stages.get((b, cols, n_slots))
+        if layout is None:
+            if _input_starts(b, cols)[1] + n_slots > self._inputs.shape[0]:
+                self._allocate_inputs(_input_starts(b, cols)[1] + n_slots)
+            layout = self._stages[(b, cols, n_slots)] = _InputLayout(self, b, cols, n_slots)
+        return layout
 
     def _allocate_derived(self, tokens):
         self.max_tokens = tokens
@@ -266,13 +304,6 @@ class MetadataBuilder:
                                                          + tokens // QUERY_TILE + 17 * ALIGN)
         self._token_index = torch.arange(tokens, dtype=torch.int32, device=self.device)
         self._layouts.clear()
-
-    def _padding(self, device):
-        """ALIGN zeros on `device` (the gaps between the staged inputs), made once."""
-        pad = getattr(self, "_pad", None)
-        if pad is None or pad.device != device:
-            pad = self._pad = torch.zeros(ALIGN, dtype=torch.int32, device=device)
-        return pad
 
     def _raw_stream(self) -> int:
         index = self.device.index
@@ -291,17 +322,21 @@ class MetadataBuilder:
     # ---- the step's checks (host values, once per step) ----
 
     def _split(self, qsl, seq, computed, decode_query_len, num_decodes, num_actual_tokens):
-        """(query lengths, num_decode_tokens, num_tokens) after checking the decode-first split:
-        every decode request has L tokens, except trailing padding requests of length 0 and
+        """(the prefills' query lengths, num_decode_tokens, num_tokens) after checking the
+        decode-first split: every decode request has L tokens, except trailing padding requests of length 0 and
         seq_len 0 (vLLM's padded uniform decode batch, whose L tokens count in num_actual_tokens).
         A step with no padding passes in a few whole-array tests; anything else is looked at
         request by request (and named when it fails)."""
-        L, qlens = decode_query_len, qsl[1:] - qsl[:-1]
-        num_decode_tokens, total = num_decodes * L, int(qsl[-1])
+        L, num_reqs = decode_query_len, seq.shape[0]
+        num_decode_tokens = num_decodes * L
+        if num_decodes == num_reqs and num_actual_tokens in (None, num_decode_tokens):  # a decode step
+            if (_none(qsl != self._decode_offsets(num_reqs, L)) and _none(seq != computed + L)
+                    and _max(seq, initial=0) <= self.max_model_len):
+                return _NO_PREFILLS, num_decode_tokens, num_decode_tokens
+        qlens, total = qsl[1:] - qsl[:-1], int(qsl[-1])
         if (qsl[0] == 0 and num_actual_tokens in (None, total) and (qlens[:num_decodes] == L).all()
                 and not ((qlens < 0) | (seq > self.max_model_len) | (seq != computed + qlens)).any()):
-            return qlens, num_decode_tokens, total
-        num_reqs = seq.shape[0]
+            return qlens[num_decodes:], num_decode_tokens, total
         if qsl[0] != 0 or (qlens < 0).any():
             raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0, got {qsl.tolist()}")
         pad = _first(qlens[:num_decodes] == 0)
@@ -329,7 +364,14 @@ class MetadataBuilder:
         if (r := _first(seq != computed + qlens)) is not None:
             raise ValueError(f"seq_lens: expected num_computed_tokens + query length = {computed[r] + qlens[r]} "
                              f"for request {r}, got {seq[r]}")
-        return qlens, num_decode_tokens, num_tokens
+        return qlens[num_decodes:], num_decode_tokens, num_tokens
+
+    def _decode_offsets(self, num_reqs, L):
+        """query_start_loc of a decode step of num_reqs requests of L tokens (0, L, 2L, ...)."""
+        offsets = self._decode_qsl.get((num_reqs, L))
+        if offsets is None:
+            offsets = self._decode_qsl[(num_reqs, L)] = np.arange(num_reqs + 1, dtype=np.int64) * L
+        return offsets
 
     def _check_ids(self, block_table, seq, slots):
         """(max_block_id, max_slot) of the step (host values: block_table [reqs, cols] int32, the
@@ -338,7 +380,7 @@ class MetadataBuilder:
         layer's attend and insert would otherwise clamp."""
         reqs, cols = block_table.shape
         need = (seq + (BLOCK_SIZE - 1)) >> 7  # cdiv(seq_len, 128)
-        if reqs and need.max() > cols:
+        if _max(need, initial=0) > cols:
             r = _first(need > cols)
             raise IndexError(f"block_table: expected at least cdiv(seq_len, 128) = {need[r]} columns for request {r} "
                              f"(seq_len {seq[r]}), got {cols} columns")
@@ -350,7 +392,7 @@ class MetadataBuilder:
                              f"got {int(block_table[r, c])} at request {r}, column {c} (seq_len {seq[r]})")
         if max_block >= 1 << 30:
             raise IndexError(f"block_table: expected ids below 2**30 (their page-16 ids are int32), got {max_block}")
-        max_slot = max(int(slots.max()), -1) if slots.size else -1
+        max_slot = int(_max(slots, initial=-1))
         if self.num_cache_blocks is not None:
             if max_block >= self.num_cache_blocks:
                 raise IndexError(f"block_table: expected ids in [0, {self.num_cache_blocks}) (num_cache_blocks), "
@@ -413,32 +455,30 @@ class MetadataBuilder:
                          slot_mapping)
         b, cols = block_table.shape
         n_slots = 0 if slot_mapping is None else slot_mapping.shape[0]
-        # the inputs into the input buffer (each part aligned), then to the host in one transfer
-        at_bt, at_slots = _input_starts(b, cols)
-        stage, host_stage, host = self._stage(at_slots + n_slots)
-        parts = [query_start_loc, seq_lens, num_computed_tokens, self._padding(block_table.device)[:at_bt - 3 * b - 1],
-                 block_table.reshape(-1)]
+        # the inputs into the input buffer, then to the host in one transfer
+        inputs = self._input_layout(b, cols, n_slots)
+        parts = [query_start_loc, seq_lens, num_computed_tokens, inputs.zeros(block_table.device), block_table.reshape(-1)]
         if slot_mapping is not None:
             parts.append(slot_mapping)
-        if block_table.device == stage.device:
-            torch.cat(parts, out=stage)
+        if block_table.device == inputs.stage.device:
+            torch.cat(parts, out=inputs.stage)
         else:
-            stage.copy_(torch.cat(parts))
+            inputs.stage.copy_(torch.cat(parts))
         if self._host_inputs is not self._inputs:
-            host_stage.copy_(stage)  # waits for the stream's work: the last step's copy back included
-        small = host[:3 * b + 1].astype(np.int64)
+            inputs.host_stage.copy_(inputs.stage)  # waits for the stream's work: the last step's copy back included
+        small = inputs.small.astype(np.int64)
         qsl, seq, computed = small[:b + 1], small[b + 1:2 * b + 1], small[2 * b + 1:]
-        qlens, num_decode_tokens, n = self._split(qsl, seq, computed, decode_query_len, num_decodes,
-                                                  num_actual_tokens)
+        prefill_qlens, num_decode_tokens, n = self._split(qsl, seq, computed, decode_query_len, num_decodes,
+                                                          num_actual_tokens)
         if slot_mapping is not None and n_slots < n:
             raise ValueError(f"slot_mapping: expected at least num_tokens={n} entries, got {n_slots}")
-        host_bt = host[at_bt:at_slots].reshape(b, cols)
-        host_slots = host[at_slots:at_slots + n].astype(np.int64) if n_slots else np.full(n, -1, np.int64)
-        max_block, max_slot = self._check_ids(host_bt, seq, host_slots)
+        host_slots = inputs.slots[:n].astype(np.int64) if n_slots else np.full(n, -1, np.int64)
+        max_block, max_slot = self._check_ids(inputs.block_table, seq, host_slots)
 
         layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
-        count, num_tiles = self._derive(layout, host_bt, host_slots, qlens[num_decodes:], computed[num_decodes:],
-                                        seq, num_decodes, decode_query_len)
+        stream = self._raw_stream() if self._host_derived is not self._derived else None
+        count, num_tiles = self._derive(layout, inputs.block_table, host_slots, prefill_qlens, computed[num_decodes:],
+                                        seq, stream)
         if self.gpu_writer:
             token_index, insert_slots = layout.token_index, layout.slots  # the GPU writer skips slots < 0
         else:  # the portable writer takes the written tokens only, after the layout's derived values
@@ -449,72 +489,60 @@ class MetadataBuilder:
             out[lo:lo + m], out[hi:hi + m] = keep, host_slots[keep]
             count = hi + m
             token_index, insert_slots = self._derived[lo:lo + m], self._derived[hi:hi + m]
-        self._copy_back(layout, count)
+        self._copy_back(layout, count, stream)
+        return MsaMetadata(n, num_decodes, num_decode_tokens, b - num_decodes, n - num_decode_tokens, layout.decode,
+                           layout.prefill, layout.slots, layout.page16_slots, token_index, insert_slots,
+                           layout.block_table, layout.token_req_id, layout.token_abs_pos, max_block, max_slot,
+                           layout.key, None if layout.tiles is None else layout.tiles[:num_tiles])
 
-        decode = prefill = None
-        if layout.decode is not None:
-            bt, seqs, page16 = layout.decode
-            decode = DecodeMetadata(bt, seqs, decode_query_len, page16)
-        if layout.prefill is not None:
-            bt, seqs, page16 = layout.prefill
-            cu, ctx, query_req_id, query_abs_pos = layout.prefill_views
-            prefill = PrefillMetadata(bt, cu, seqs, ctx, query_req_id, query_abs_pos, page16)
-        return MsaMetadata(n, num_decodes, num_decode_tokens, b - num_decodes, n - num_decode_tokens, decode, prefill,
-                           layout.slots, layout.page16_slots, token_index, insert_slots, layout.block_table,
-                           layout.token_req_id, layout.token_abs_pos, max_block, max_slot, layout.key,
-                           None if layout.tiles is None else layout.tiles[:num_tiles])
-
-    def _derive(self, layout, block_table, slots, qlens, computed, seq, num_decodes, L) -> tuple[int, int]:
+    def _derive(self, layout, block_table, slots, qlens, computed, seq, stream) -> tuple[int, int]:
         """Write the derived values into the host side of the derived buffer (once the last
         step's copy of it has left): the page-16 block table and slots, the slots, for prefills
         cu_seqlens_q, context_lens, query_req_id and query_abs_pos, every token's request and
         position (decode rows: seq_len - L + t % L, reference.decode_token_positions; a padded
         request's are below 0), seq_lens and the prefills' rows of it and of both block tables;
-        with prefills the query tiles. Returns (their count, the query tiles' count)."""
-        if self._copy_stream is not None and self._copy_stream != self._raw_stream():
+        with prefills the query tiles. qlens, computed: the prefills'. Returns (their count, the
+        query tiles' count)."""
+        if self._copy_stream is not None and self._copy_stream != stream:
             torch.cuda.synchronize(self.device)  # the last copy back went on another stream: let it finish
-        out, at = layout.host_derived.numpy(), layout.at
-        n, m = slots.shape[0], block_table.size
-        # reference.rebase_block_table_to_page16 (the prefills' rows again, at their own start)
-        np.multiply(block_table.reshape(-1), 2, out=out[at["page16"]:at["page16"] + m])
-        decode_seq, p16_prefill = seq[:num_decodes], block_table.shape[1] * qlens.shape[0]
-        out[at["page16_prefill"]:at["page16_prefill"] + p16_prefill] = out[at["page16"] + m - p16_prefill:at["page16"] + m]
-        out[at["bt_prefill"]:at["bt_prefill"] + p16_prefill] = block_table[num_decodes:].reshape(-1)
-        out[at["seq"]:at["seq"] + seq.shape[0]] = seq
-        out[at["seq_prefill"]:at["seq_prefill"] + qlens.shape[0]] = seq[num_decodes:]
+        out, nd = layout.host, layout.decode_tokens
+        # reference.rebase_block_table_to_page16
+        np.multiply(block_table.reshape(-1), 2, out=out["page16"])
+        out["seq"][:] = seq
         # reference.rebase_slots_to_page16: slot + its block's first slot (block * 128), < 0 kept
-        out[at["page16_slots"]:at["page16_slots"] + n] = slots + (np.maximum(slots, 0) & -BLOCK_SIZE)
-        out[at["slots"]:at["slots"] + n] = slots
-        nd = decode_seq.shape[0] * L
-        req_of, pos_of = out[at["req"]:at["req"] + n], out[at["pos"]:at["pos"] + n]  # every token's
-        t = np.arange(nd)
-        req_of[:nd] = t // L
-        pos_of[:nd] = decode_seq[t // L] - L + t % L
-        if qlens.size:
-            p = qlens.shape[0]
-            cu = out[at["cu"]:at["cu"] + p + 1]
-            cu[0] = 0
-            np.cumsum(qlens, out=cu[1:])
-            out[at["ctx"]:at["ctx"] + p] = computed
-            req = np.repeat(np.arange(p), qlens)  # reference.query_token_positions
-            n_prefill = req.shape[0]
-            out[at["qreq"]:at["qreq"] + n_prefill] = req
-            qpos = out[at["qpos"]:at["qpos"] + n_prefill]
-            qpos[:] = computed[req] + np.arange(n_prefill) - cu[req]
-            req_of[nd:] = req + decode_seq.shape[0]
-            pos_of[nd:] = qpos
-            starts = np.concatenate([np.arange(decode_seq.shape[0]) * L, nd + cu[:-1]])
-            lens = np.concatenate([np.full(decode_seq.shape[0], L), qlens])
-            return layout.n_derived, _write_query_tiles(out[at["tiles"]:], starts, lens)
-        return layout.n_derived, 0
+        np.add(slots, np.maximum(slots, 0) & -BLOCK_SIZE, out=out["page16_slots"])
+        out["slots"][:] = slots
+        req_of, pos_of = out["req"], out["pos"]  # every token's
+        req_of[:nd] = layout.decode_req
+        np.add(seq[layout.decode_req], layout.decode_offset, out=pos_of[:nd])
+        if not layout.num_prefills:
+            return layout.n_derived, 0
+        # the prefills' rows again, at their own start
+        num_decodes, m = seq.shape[0] - layout.num_prefills, block_table.size
+        out["page16_prefill"][:] = out["page16"][m - out["page16_prefill"].shape[0]:]
+        out["bt_prefill"][:] = block_table[num_decodes:].reshape(-1)
+        out["seq_prefill"][:] = seq[num_decodes:]
+        cu = out["cu"]
+        cu[0] = 0
+        np.cumsum(qlens, out=cu[1:])
+        out["ctx"][:] = computed
+        req = np.repeat(np.arange(qlens.shape[0]), qlens)  # reference.query_token_positions
+        out["qreq"][:] = req
+        qpos = out["qpos"]
+        qpos[:] = computed[req] + np.arange(req.shape[0]) - cu[req]
+        req_of[nd:] = req + num_decodes
+        pos_of[nd:] = qpos
+        starts = np.concatenate([np.arange(num_decodes) * layout.L, nd + cu[:-1]])
+        lens = np.concatenate([np.full(num_decodes, layout.L), qlens])
+        return layout.n_derived, _write_query_tiles(out["tiles"], starts, lens)
 
-    def _copy_back(self, layout, count):
-        """The derived buffer's first `count` values to the device (a GPU's: asynchronously; the
-        next step's transfer to the host waits for it, being on the same stream)."""
-        if self._host_derived is self._derived or count == 0:
+    def _copy_back(self, layout, count, stream):
+        """The derived buffer's first `count` values to the device (a GPU's: asynchronously on
+        `stream`; the next step's transfer to the host waits for it, being on the same stream)."""
+        if stream is None or count == 0:
             return
         if count == layout.n_derived:
             layout.derived.copy_(layout.host_derived, non_blocking=True)
         else:
             self._derived[:count].copy_(self._host_derived[:count], non_blocking=True)
-        self._copy_stream = self._raw_stream()
+        self._copy_stream = stream
