@@ -8,7 +8,9 @@ then `forward`.
 
 Cases: decode B x context x query heads per KV head x KV dtype (every request `context` tokens,
 one new), and a mixed step (one 2K-token prefill chunk, the last 2048 tokens of a 4K request,
-after 63 decodes at 4K). Per layer (a step's time / 57, medians over steps):
+after 63 decodes at 4K). The block table is as wide as the context, or, with --max-model-len, as
+wide as that (vLLM's table: cdiv(max_model_len, 128) columns whatever the context), the step's
+longest seq_len given to the builder as vLLM gives it (max_seq_len). Per layer (a step's time / 57, medians over steps):
 - build_us: one step's `MetadataBuilder.build` (+ sync), not divided by the layers;
 - host_us: the host time of a layer's insert and attend (the 57 layers issued, before the sync);
 - eager_us: a step run eagerly: build + 57 layers + sync;
@@ -52,7 +54,7 @@ class ServingCase:
     57 layers, and the new tokens' query, key and value."""
 
     def __init__(self, lib, device, batch, context, num_heads, kv_name, prefill_chunk=0, pool_gib=16.0,
-                 layers=LAYERS, insert="forward"):
+                 layers=LAYERS, insert="forward", max_model_len=None):
         if insert not in INSERT_MODES:
             raise ValueError(f"insert: expected one of {INSERT_MODES}, got {insert!r}")
         self.insert = insert
@@ -83,17 +85,22 @@ class ServingCase:
             k, v = c.layer_cache(i)
             attn = SparseAttention(num_heads, 1, 128, 128 ** -0.5, kv_dtype, kernels=lib)
             self.layers.append((attn, k, v, torch.empty_like(self.q)))
-        self.builder = MetadataBuilder(max_num_seqs=batch, max_model_len=context, kernels=lib, device=device,
+        self.max_model_len = max_model_len = max(context, max_model_len or 0)
+        self.builder = MetadataBuilder(max_num_seqs=batch, max_model_len=max_model_len, kernels=lib, device=device,
                                        num_cache_blocks=num_cache_blocks(*c.layer_cache(0)))
+        self.max_seq_len = int(c.seq_lens.max())
+        table = c.block_table.new_zeros(batch, -(-max_model_len // 128))  # vLLM's: the unused columns 0
+        table[:, :c.block_table.shape[1]] = c.block_table
         # new tensors for every step, as an engine hands the builder (same values: the step repeats)
-        self.step_tensors = [tuple(t.clone() for t in (c.block_table, c.seq_lens, self.qsl, self.computed, self.slots))
+        self.step_tensors = [tuple(t.clone() for t in (table, c.seq_lens, self.qsl, self.computed, self.slots))
                              for _ in range(STEP_TENSORS)]
         self.steps = 0
 
     def build(self):
         bt, seq, qsl, computed, slots = self.step_tensors[self.steps % STEP_TENSORS]
         self.steps += 1
-        return self.builder.build(bt, seq, qsl, computed, 1, self.num_decodes, slot_mapping=slots)
+        return self.builder.build(bt, seq, qsl, computed, 1, self.num_decodes, slot_mapping=slots,
+                                  max_seq_len=self.max_seq_len)
 
     def layers_call(self, md):
         c = self.case
@@ -177,13 +184,14 @@ COLUMNS = [("build_us", 8, ".1f"), ("host_us", 7, ".1f"), ("eager_us", 8, ".1f")
 
 
 def format_table(rows) -> str:
-    head = (f"{'step':>8} {'insert':>8} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'build us':>8} {'host us':>7} "
-            f"{'eager us':>8} {'graph us':>8} {'kernels us':>10} {'eager/graph':>11} {'graph/kern':>10}")
-    lines = ["per layer (57 layers a step; build us: a step's metadata build)", head]
+    head = (f"{'step':>8} {'insert':>8} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'table':>7} {'build us':>8} "
+            f"{'host us':>7} {'eager us':>8} {'graph us':>8} {'kernels us':>10} {'eager/graph':>11} {'graph/kern':>10}")
+    lines = ["per layer (57 layers a step; build us: a step's metadata build; table: its block table's width "
+             "in tokens)", head]
     for r in rows:
         cells = [table_cell(r.get(k), w, f) for k, w, f in COLUMNS]
         lines.append(f"{r['step']:>8} {r.get('insert', 'separate'):>8} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} "
-                     f"{r['batch']:>4} {r['context']:>6} " + " ".join(cells))
+                     f"{r['batch']:>4} {r['context']:>6} {r.get('max_model_len', r['context']):>7} " + " ".join(cells))
     return "\n".join(lines)
 
 
@@ -196,6 +204,8 @@ def main(argv=None):
     p.add_argument("--heads", default="16,8", help="query heads per KV head: 16 = TP4, 8 = TP8")
     p.add_argument("--kv-dtype", default="fp8_e4m3fn,bf16")
     p.add_argument("--no-mixed", action="store_true", help="leave out the mixed step (2K prefill chunk + 63 decodes)")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="the block table's width in tokens, as vLLM's (default: each case's context)")
     p.add_argument("--pool-gib", type=float, default=16.0, help="the layers' caches at most this much")
     p.add_argument("--insert", default="forward", help=f"how layers insert, one row per mode: {','.join(INSERT_MODES)}")
     add_launch_args(p)
@@ -230,9 +240,10 @@ def main(argv=None):
                            + " ".join(argv if argv is not None else sys.argv[1:]), "rows": rows}, f, indent=1)
 
     for kv, hq, b, ctx, chunk, mode in cases:
-        case = ServingCase(lib, device, b, ctx, hq, kv, chunk, a.pool_gib, insert=mode)
+        case = ServingCase(lib, device, b, ctx, hq, kv, chunk, a.pool_gib, insert=mode, max_model_len=a.max_model_len)
         row = {"step": "mixed" if chunk else "decode", "insert": mode, "kv_dtype": kv, "q_heads": hq, "batch": b,
-               "context": ctx, "prefill_chunk": chunk, **measure(case, graph=not chunk)}
+               "context": ctx, "max_model_len": case.max_model_len, "prefill_chunk": chunk,
+               **measure(case, graph=not chunk)}
         rows.append(row)
         save()
         print(json.dumps(row), flush=True)
@@ -240,7 +251,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     for row in rows:  # kernel sums last (CUPTI)
         case = ServingCase(lib, device, row["batch"], row["context"], row["q_heads"], row["kv_dtype"],
-                           row["prefill_chunk"], a.pool_gib, insert=row["insert"])
+                           row["prefill_chunk"], a.pool_gib, insert=row["insert"], max_model_len=a.max_model_len)
         case.layers_call(case.build())
         add_kernel_sum(case, row)
         del case

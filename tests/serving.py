@@ -19,9 +19,13 @@ class Server:
     """Requests over a shared paged cache; each step inserts K/V, draws top-k, attends, checks."""
 
     def __init__(self, kernels, kv_dtype, q_dtype, layout, num_kv_heads, scale_mode, seed, device="cpu",
-                 num_heads=16, gpu_matrix="auto", insert_in_forward=False):
+                 num_heads=16, gpu_matrix="auto", insert_in_forward=False, wide_table=False):
         self.g = torch.Generator().manual_seed(seed)
         self.layout, self.insert_in_forward = layout, insert_in_forward
+        # wide_table: the block table as wide as max_model_len, as vLLM hands it (columns past a
+        # request's blocks hold ids that are not its own: stale ones, -1 and past the cache),
+        # with the step's longest seq_len given
+        self.wide_table = wide_table
         self.dev = torch.device(device)
         self.h, self.hq, self.kv_dtype, self.q_dtype = num_kv_heads, num_heads, kv_dtype, q_dtype
         self.num_blocks = 24
@@ -70,15 +74,19 @@ class Server:
             self.lens[name] = start + chunk
         n = len(slots)  # num_actual_tokens: padding requests' L tokens included
         cols = max(len(self.tables.get(x, [])) for x in names if x) if any(names) else 1
-        bt = torch.tensor([(self.tables.get(x, []) + [0] * cols)[:cols] if x else [0] * cols for x in names],
+        tail = [0] * cols
+        if self.wide_table:
+            cols, tail = 4096 // 128, [self.num_blocks - 1, -1, 10 ** 6] * (4096 // 128)
+        bt = torch.tensor([(self.tables.get(x, []) + tail)[:cols] if x else tail[:cols] for x in names],
                           dtype=torch.int32)
         seq_lens = torch.tensor([self.lens[x] if x else 0 for x in names], dtype=torch.int32)
+        hint = {"max_seq_len": int(seq_lens.max()) + 1} if self.wide_table else {}
         qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
         slot_mapping = torch.tensor(slots, dtype=torch.int32)
         computed_t = torch.tensor(computed, dtype=torch.int32)
         bt, seq_lens, qsl, computed_t, slot_mapping = (x.to(self.dev) for x in (bt, seq_lens, qsl, computed_t, slot_mapping))
         md = self.builder.build(bt, seq_lens, qsl, computed_t, L, len(decodes), slot_mapping=slot_mapping,
-                                num_actual_tokens=n)
+                                num_actual_tokens=n, **hint)
 
         key = torch.randn(n, self.h, 128, generator=self.g).to(self.q_dtype).to(self.dev)
         value = torch.randn(n, self.h, 128, generator=self.g).to(self.q_dtype).to(self.dev)

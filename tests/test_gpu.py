@@ -250,11 +250,14 @@ def test_results_come_back_on_the_gpu(cuda_kernels):
 
 
 @pytest.mark.parametrize("kv, qd, layout, h, smode", gpu_cases.GPU_SERVING_CASES)
-@pytest.mark.parametrize("matrix", ["fma", "mma", "mfma"])
-def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode, matrix):
+@pytest.mark.parametrize("matrix, wide", [("fma", False), ("mma", False), ("mfma", False), ("mma", True)])
+def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode, matrix, wide):
+    """wide: the block table as wide as max_model_len with max_seq_len given (vLLM's form): only
+    its used columns come to the host, the page-16 tables are rebased on the GPU."""
     from serving import Server
 
-    s = Server(cuda_kernels, DTYPES[kv], DTYPES[qd], layout, h, smode, seed=11, device="cuda", gpu_matrix=matrix)
+    s = Server(cuda_kernels, DTYPES[kv], DTYPES[qd], layout, h, smode, seed=11, device="cuda", gpu_matrix=matrix,
+               wide_table=wide)
     assert s.attn.gpu_decode and s.attn.gpu_matrix == matrix
     s.step([], [("a", 200), ("b", 130)], 1)                       # two chunked prefills
     s.step(["b"], [("a", 100), ("c", 129)], 1)                    # decode, prefills with a prefix

@@ -19,14 +19,15 @@ SEEDS = {("torch.bfloat16", "interleaved"): 101, ("torch.float16", "planes"): 10
          ("torch.float8_e4m3fnuz", "interleaved"): 103, ("torch.float8_e4m3fn", "planes"): 104}
 
 
-@pytest.mark.parametrize("kv, qd, layout, hkv, smode", [
-    (BF16, BF16, "interleaved", 1, "tensor"),
-    (F16, F16, "planes", 2, "tensor"),
-    (FNUZ, BF16, "interleaved", 1, "tensor"),
-    (FN, BF16, "planes", 1, "token"),
+@pytest.mark.parametrize("kv, qd, layout, hkv, smode, wide", [
+    (BF16, BF16, "interleaved", 1, "tensor", False),
+    (F16, F16, "planes", 2, "tensor", False),
+    (FNUZ, BF16, "interleaved", 1, "tensor", False),
+    (FN, BF16, "planes", 1, "token", False),
+    (BF16, BF16, "interleaved", 1, "tensor", True),  # vLLM's table: max_model_len wide, max_seq_len given
 ])
-def test_serving_simulation(host_kernels, kv, qd, layout, hkv, smode):
-    s = Server(host_kernels, kv, qd, layout, hkv, smode, seed=SEEDS[str(kv), layout])
+def test_serving_simulation(host_kernels, kv, qd, layout, hkv, smode, wide):
+    s = Server(host_kernels, kv, qd, layout, hkv, smode, seed=SEEDS[str(kv), layout], wide_table=wide)
     s.step([], [("a", 200), ("b", 130)], 1)                       # two chunked prefills
     s.step(["b"], [("a", 100), ("c", 129)], 1)                    # decode, prefills with a prefix
     s.step(["a", "b", "c", None, None], [], 1)                   # a decode batch padded with 2 requests

@@ -11,11 +11,13 @@ from msa_iree.layout import unpack_kv_cache
 from tolerances import assert_attend_close
 
 
-@pytest.mark.parametrize("chunk, insert", [(0, "forward"), (0, "separate"), (200, "forward")])
-def test_a_step_of_the_layers_attends_as_the_reference(host_kernels, monkeypatch, chunk, insert):
+@pytest.mark.parametrize("chunk, insert, max_model_len", [(0, "forward", None), (0, "separate", None),
+                                                          (200, "forward", None), (200, "forward", 4096)])
+def test_a_step_of_the_layers_attends_as_the_reference(host_kernels, monkeypatch, chunk, insert, max_model_len):
     monkeypatch.setattr(bench, "POOL_BYTES", 1 << 20)
     case = ServingCase(host_kernels, torch.device("cpu"), batch=3, context=300, num_heads=16, kv_name="bf16",
-                       prefill_chunk=chunk, pool_gib=1 / 64, layers=2, insert=insert)
+                       prefill_chunk=chunk, pool_gib=1 / 64, layers=2, insert=insert, max_model_len=max_model_len)
+    assert case.step_tensors[0][0].shape == (3, 32 if max_model_len else 3)  # the block table's columns
     tokens = 2 + chunk if chunk else 3
     assert case.q.shape[0] == tokens and case.topk.shape == (1, tokens, 16) and case.slots.shape == (tokens,)
     md = case.build()

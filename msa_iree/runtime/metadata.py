@@ -163,29 +163,38 @@ def _aligned_starts(sizes) -> list[int]:
     return starts
 
 
-def _input_starts(b: int, cols: int) -> tuple[int, int]:
-    """Where the input buffer's block table (aligned: the kernels read it) and slots start."""
-    at = _aligned(3 * b + 1)
-    return at, at + b * cols
-
-
 class _InputLayout:
-    """Where the inputs of one step shape sit in the input buffer, [qsl | seq_lens | computed |
-    zeros to the block table's aligned start | block table | slots], and the host views the
-    checks read."""
+    """Where the inputs of one step shape sit in the input buffer, and the host views the checks
+    read: [block table | qsl | seq_lens | computed | slots | the block table's first `used`
+    columns], each part on an ALIGN boundary (zeros between). The kernels read the block table
+    where it is (its address fixed for every step of the shape); the host gets the rest in one
+    transfer: from the block table on when every column is used, after it otherwise (the used
+    columns, packed, are what the checks read)."""
 
-    def __init__(self, builder, b, cols, n_slots):
-        at_bt, at_slots = _input_starts(b, cols)
-        self.stage, self.host_stage = builder._inputs[:at_slots + n_slots], builder._host_inputs[:at_slots + n_slots]
+    def __init__(self, builder, b, cols, n_slots, used):
+        self.trimmed = used < cols
+        at_small = _aligned(b * cols)
+        at_slots = _aligned(at_small + 3 * b + 1)
+        at_used = _aligned(at_slots + n_slots)
+        end = at_used + b * used if self.trimmed else at_slots + n_slots
+        self.stage, self.host_stage = builder._inputs[:end], builder._host_inputs[:end]
+        first = at_small if self.trimmed else 0  # the first value the host needs
+        self.to_host, self.host_part = self.stage[first:], self.host_stage[first:]
         host = self.host_stage.numpy()
-        self.small, self.block_table, self.slots = host[:3 * b + 1], host[at_bt:at_slots].reshape(b, cols), host[at_slots:]
-        self.gap = at_bt - 3 * b - 1
-        self._zeros = {}  # device -> the gap's zeros there
+        self.small, self.slots = host[at_small:at_small + 3 * b + 1], host[at_slots:at_slots + n_slots]
+        self.block_table = (host[at_used:end] if self.trimmed else host[:b * cols]).reshape(b, used)
+        self.gaps = (at_small - b * cols, at_slots - (at_small + 3 * b + 1), at_used - (at_slots + n_slots))
+        self._zeros = {}  # device -> the gaps' zeros there
+
+    @staticmethod
+    def size(b, cols, n_slots):
+        """The most values an input layout of this shape takes."""
+        return _aligned(_aligned(_aligned(b * cols) + 3 * b + 1) + n_slots) + b * cols
 
     def zeros(self, device):
         zeros = self._zeros.get(device)
         if zeros is None:
-            zeros = self._zeros[device] = torch.zeros(self.gap, dtype=torch.int32, device=device)
+            zeros = self._zeros[device] = [torch.zeros(g, dtype=torch.int32, device=device) for g in self.gaps]
         return zeros
 
 
@@ -225,10 +234,10 @@ class _StepLayout:
         self.decode_req = np.arange(nd * L, dtype=np.int32) // L
         self.decode_offset = np.arange(nd * L, dtype=np.int32) % L - L
         page16, self.page16_slots, self.slots = views[0].view(b, cols), views[1], views[2]
+        self.page16 = page16
         self.prefill_views, self.tiles = (views[3:7], views[7]) if num_prefills else ((), None)
         self.token_req_id, self.token_abs_pos, seq_lens, seq_prefill, bt_prefill, page16_prefill = views[-6:]
-        at_bt, _ = _input_starts(b, cols)
-        block_table = builder._inputs[at_bt:at_bt + b * cols].view(b, cols)
+        block_table = builder._inputs[:b * cols].view(b, cols)
         self.block_table = block_table
         self.decode = DecodeMetadata(block_table[:nd], seq_lens[:nd], L, page16[:nd]) if nd else None
         self.prefill = None
@@ -274,7 +283,7 @@ class MetadataBuilder:
         self._decode_qsl = {}  # (reqs, L) -> a decode step's query_start_loc
         self._copy_stream = None  # on a GPU: the stream of the last copy of the derived values to the device
         tokens = max_num_tokens or max_num_seqs * 8
-        self._allocate_inputs(max_num_seqs * (self.max_cols + 3) + 1 + tokens + ALIGN)
+        self._allocate_inputs(_InputLayout.size(max_num_seqs, self.max_cols, tokens))
         self._allocate_derived(tokens)
 
     # ---- the buffers: on a GPU each with a pinned host twin, on the host the buffer itself ----
@@ -286,15 +295,15 @@ class MetadataBuilder:
 
     def _allocate_inputs(self, n):
         self._inputs, self._host_inputs = self._buffer(n)
-        self._stages = {}  # (reqs, cols, slot entries) -> _InputLayout
+        self._stages = {}  # (reqs, cols, slot entries, used columns) -> _InputLayout
         self._layouts.clear()
 
-    def _input_layout(self, b, cols, n_slots) -> _InputLayout:
-        layout = self._stages.get((b, cols, n_slots))
+    def _input_layout(self, b, cols, n_slots, used) -> _InputLayout:
+        layout = self._stages.get((b, cols, n_slots, used))
         if layout is None:
-            if _input_starts(b, cols)[1] + n_slots > self._inputs.shape[0]:
-                self._allocate_inputs(_input_starts(b, cols)[1] + n_slots)
-            layout = self._stages[(b, cols, n_slots)] = _InputLayout(self, b, cols, n_slots)
+            if _InputLayout.size(b, cols, n_slots) > self._inputs.shape[0]:
+                self._allocate_inputs(_InputLayout.size(b, cols, n_slots))
+            layout = self._stages[(b, cols, n_slots, used)] = _InputLayout(self, b, cols, n_slots, used)
         return layout
 
     def _allocate_derived(self, tokens):
@@ -365,6 +374,13 @@ class MetadataBuilder:
             raise ValueError(f"seq_lens: expected num_computed_tokens + query length = {computed[r] + qlens[r]} "
                              f"for request {r}, got {seq[r]}")
         return qlens[num_decodes:], num_decode_tokens, num_tokens
+
+    @staticmethod
+    def _used_columns(max_seq_len) -> int:
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 0:
+            raise ValueError(f"max_seq_len: expected an int >= 0 (at least the step's longest seq_len), "
+                             f"got {max_seq_len!r}")
+        return _cdiv(int(max_seq_len), BLOCK_SIZE)
 
     def _decode_offsets(self, num_reqs, L):
         """query_start_loc of a decode step of num_reqs requests of L tokens (0, L, 2L, ...)."""
@@ -442,7 +458,8 @@ class MetadataBuilder:
     # ---- the step ----
 
     def build(self, block_table, seq_lens, query_start_loc, num_computed_tokens, decode_query_len: int,
-              num_decodes: int, slot_mapping=None, *, num_actual_tokens: int | None = None) -> MsaMetadata:
+              num_decodes: int, slot_mapping=None, *, num_actual_tokens: int | None = None,
+              max_seq_len: int | None = None) -> MsaMetadata:
         """One step's metadata (vLLM's CommonAttentionMetadata, decode-first).
 
         block_table [reqs, cols] int32 cache block ids (128-token blocks); seq_lens [reqs] int32
@@ -450,22 +467,30 @@ class MetadataBuilder:
         int32 (seq_lens - query lengths); decode_query_len L; num_decodes: the first requests,
         each L tokens (a padded batch ends in requests of length 0 and seq_len 0, counted in
         num_actual_tokens); slot_mapping [>= tokens] int32 logical slots (< 0: not written).
+        max_seq_len: at least the step's longest seq_len, where the caller knows it on the host
+        (vLLM's CommonAttentionMetadata.max_seq_len); the block table's columns past
+        cdiv(max_seq_len, 128) are then neither brought to the host nor checked, so that a table
+        as wide as max_model_len allows (as vLLM's is) costs what its used columns do.
         """
         self._check_args(block_table, seq_lens, query_start_loc, num_computed_tokens, decode_query_len, num_decodes,
                          slot_mapping)
         b, cols = block_table.shape
+        used = cols if max_seq_len is None else min(cols, self._used_columns(max_seq_len))
         n_slots = 0 if slot_mapping is None else slot_mapping.shape[0]
-        # the inputs into the input buffer, then to the host in one transfer
-        inputs = self._input_layout(b, cols, n_slots)
-        parts = [query_start_loc, seq_lens, num_computed_tokens, inputs.zeros(block_table.device), block_table.reshape(-1)]
+        # the inputs into the input buffer, then what the host needs of them in one transfer
+        inputs = self._input_layout(b, cols, n_slots, used)
+        gap_table, gap_small, gap_slots = inputs.zeros(block_table.device)
+        parts = [block_table.reshape(-1), gap_table, query_start_loc, seq_lens, num_computed_tokens, gap_small]
         if slot_mapping is not None:
             parts.append(slot_mapping)
+        if inputs.trimmed:
+            parts += [gap_slots, block_table[:, :used].reshape(-1)]
         if block_table.device == inputs.stage.device:
             torch.cat(parts, out=inputs.stage)
         else:
             inputs.stage.copy_(torch.cat(parts))
         if self._host_inputs is not self._inputs:
-            inputs.host_stage.copy_(inputs.stage)  # waits for the stream's work: the last step's copy back included
+            inputs.host_part.copy_(inputs.to_host)  # waits for the stream's work: the last step's copy back included
         small = inputs.small.astype(np.int64)
         qsl, seq, computed = small[:b + 1], small[b + 1:2 * b + 1], small[2 * b + 1:]
         prefill_qlens, num_decode_tokens, n = self._split(qsl, seq, computed, decode_query_len, num_decodes,
@@ -473,12 +498,16 @@ class MetadataBuilder:
         if slot_mapping is not None and n_slots < n:
             raise ValueError(f"slot_mapping: expected at least num_tokens={n} entries, got {n_slots}")
         host_slots = inputs.slots[:n].astype(np.int64) if n_slots else np.full(n, -1, np.int64)
+        if max_seq_len is not None and _max(seq, initial=0) > max_seq_len:
+            r = _first(seq > max_seq_len)
+            raise ValueError(f"max_seq_len: expected at least the step's longest seq_len, got {max_seq_len} "
+                             f"(request {r}'s seq_len is {seq[r]})")
         max_block, max_slot = self._check_ids(inputs.block_table, seq, host_slots)
 
         layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
         stream = self._raw_stream() if self._host_derived is not self._derived else None
         count, num_tiles = self._derive(layout, inputs.block_table, host_slots, prefill_qlens, computed[num_decodes:],
-                                        seq, stream)
+                                        seq, stream, inputs.trimmed)
         if self.gpu_writer:
             token_index, insert_slots = layout.token_index, layout.slots  # the GPU writer skips slots < 0
         else:  # the portable writer takes the written tokens only, after the layout's derived values
@@ -489,25 +518,28 @@ class MetadataBuilder:
             out[lo:lo + m], out[hi:hi + m] = keep, host_slots[keep]
             count = hi + m
             token_index, insert_slots = self._derived[lo:lo + m], self._derived[hi:hi + m]
-        self._copy_back(layout, count, stream)
+        self._copy_back(layout, count, stream, layout.at["page16_slots"] if inputs.trimmed else 0)
+        if inputs.trimmed:  # the whole-width tables from the block table where it is
+            self._rebase_on_device(layout)
         return MsaMetadata(n, num_decodes, num_decode_tokens, b - num_decodes, n - num_decode_tokens, layout.decode,
                            layout.prefill, layout.slots, layout.page16_slots, token_index, insert_slots,
                            layout.block_table, layout.token_req_id, layout.token_abs_pos, max_block, max_slot,
                            layout.key, None if layout.tiles is None else layout.tiles[:num_tiles])
 
-    def _derive(self, layout, block_table, slots, qlens, computed, seq, stream) -> tuple[int, int]:
+    def _derive(self, layout, block_table, slots, qlens, computed, seq, stream, trimmed) -> tuple[int, int]:
         """Write the derived values into the host side of the derived buffer (once the last
         step's copy of it has left): the page-16 block table and slots, the slots, for prefills
         cu_seqlens_q, context_lens, query_req_id and query_abs_pos, every token's request and
         position (decode rows: seq_len - L + t % L, reference.decode_token_positions; a padded
         request's are below 0), seq_lens and the prefills' rows of it and of both block tables;
-        with prefills the query tiles. qlens, computed: the prefills'. Returns (their count, the
-        query tiles' count)."""
+        with prefills the query tiles. qlens, computed: the prefills'. block_table: the used
+        columns only where `trimmed` (the whole-width tables are then _rebase_on_device's).
+        Returns (their count, the query tiles' count)."""
         if self._copy_stream is not None and self._copy_stream != stream:
             torch.cuda.synchronize(self.device)  # the last copy back went on another stream: let it finish
         out, nd = layout.host, layout.decode_tokens
-        # reference.rebase_block_table_to_page16
-        np.multiply(block_table.reshape(-1), 2, out=out["page16"])
+        if not trimmed:  # reference.rebase_block_table_to_page16
+            np.multiply(block_table.reshape(-1), 2, out=out["page16"])
         out["seq"][:] = seq
         # reference.rebase_slots_to_page16: slot + its block's first slot (block * 128), < 0 kept
         np.add(slots, np.maximum(slots, 0) & -BLOCK_SIZE, out=out["page16_slots"])
@@ -517,10 +549,11 @@ class MetadataBuilder:
         np.add(seq[layout.decode_req], layout.decode_offset, out=pos_of[:nd])
         if not layout.num_prefills:
             return layout.n_derived, 0
-        # the prefills' rows again, at their own start
-        num_decodes, m = seq.shape[0] - layout.num_prefills, block_table.size
-        out["page16_prefill"][:] = out["page16"][m - out["page16_prefill"].shape[0]:]
-        out["bt_prefill"][:] = block_table[num_decodes:].reshape(-1)
+        num_decodes = seq.shape[0] - layout.num_prefills
+        if not trimmed:  # the prefills' rows again, at their own start
+            m = block_table.size
+            out["page16_prefill"][:] = out["page16"][m - out["page16_prefill"].shape[0]:]
+            out["bt_prefill"][:] = block_table[num_decodes:].reshape(-1)
         out["seq_prefill"][:] = seq[num_decodes:]
         cu = out["cu"]
         cu[0] = 0
@@ -536,13 +569,23 @@ class MetadataBuilder:
         lens = np.concatenate([np.full(num_decodes, layout.L), qlens])
         return layout.n_derived, _write_query_tiles(out["tiles"], starts, lens)
 
-    def _copy_back(self, layout, count, stream):
-        """The derived buffer's first `count` values to the device (a GPU's: asynchronously on
+    def _copy_back(self, layout, count, stream, first=0):
+        """The derived buffer's values [first, count) to the device (a GPU's: asynchronously on
         `stream`; the next step's transfer to the host waits for it, being on the same stream)."""
-        if stream is None or count == 0:
+        if stream is None or count == first:
             return
-        if count == layout.n_derived:
+        if count == layout.n_derived and first == 0:
             layout.derived.copy_(layout.host_derived, non_blocking=True)
         else:
-            self._derived[:count].copy_(self._host_derived[:count], non_blocking=True)
+            self._derived[first:count].copy_(self._host_derived[first:count], non_blocking=True)
         self._copy_stream = stream
+
+    @staticmethod
+    def _rebase_on_device(layout):
+        """The page-16 block table, and the prefills' rows of both tables, from the whole block
+        table where the kernels read it (after the copy back, which does not write them)."""
+        torch.mul(layout.block_table, 2, out=layout.page16)
+        if layout.prefill is not None:
+            rows = layout.block_table[-layout.num_prefills:]
+            layout.prefill.block_table.copy_(rows)
+            torch.mul(rows, 2, out=layout.prefill.page16_block_table)

@@ -157,7 +157,8 @@ class MsaIreeMetadataBuilder(_aiter.MiniMaxM3SparseAiterPAMetadataBuilder):
         L = md.decode.decode_query_len if md.decode is not None else 1
         plan = self.plan_builder.build(cm.block_table_tensor, cm.seq_lens, cm.query_start_loc,
                                        cm.compute_num_computed_tokens(), L, md.num_decodes,
-                                       slot_mapping=cm.slot_mapping, num_actual_tokens=md.num_actual_tokens)
+                                       slot_mapping=cm.slot_mapping, num_actual_tokens=md.num_actual_tokens,
+                                       max_seq_len=cm.max_seq_len)
         fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(md)}
         fields["page16_slot_mapping"] = plan.page16_slot_mapping
         if md.decode is not None:

@@ -114,7 +114,8 @@ class MsaIreeIndexerMetadataBuilder(_indexer.MiniMaxM3IndexerTritonMetadataBuild
         L = md.decode.decode_query_len if md.decode is not None else 1
         plan = self.plan_builder.build(cm.block_table_tensor, cm.seq_lens, cm.query_start_loc,
                                        cm.compute_num_computed_tokens(), L, md.num_decodes,
-                                       slot_mapping=cm.slot_mapping, num_actual_tokens=md.num_actual_tokens)
+                                       slot_mapping=cm.slot_mapping, num_actual_tokens=md.num_actual_tokens,
+                                       max_seq_len=cm.max_seq_len)
         return MsaIreeIndexerMetadata(**{f.name: getattr(md, f.name) for f in dataclasses.fields(md)}, msa=plan)
 
 
