@@ -166,36 +166,28 @@ def _aligned_starts(sizes) -> list[int]:
 class _InputLayout:
     """Where the inputs of one step shape sit in the input buffer, and the host views the checks
     read: [block table | qsl | seq_lens | computed | slots | the block table's first `used`
-    columns], each part on an ALIGN boundary (zeros between). The kernels read the block table
-    where it is (its address fixed for every step of the shape); the host gets the rest in one
-    transfer: from the block table on when every column is used, after it otherwise (the used
-    columns, packed, are what the checks read)."""
+    columns], packed (only the block table, which the kernels read where it is, needs an aligned
+    start: the buffer's). The host gets the rest in one transfer: from the block table on when
+    every column is used, after it otherwise (the used columns, packed, are what the checks
+    read)."""
 
     def __init__(self, builder, b, cols, n_slots, used):
         self.trimmed = used < cols
-        at_small = _aligned(b * cols)
-        at_slots = _aligned(at_small + 3 * b + 1)
-        at_used = _aligned(at_slots + n_slots)
-        end = at_used + b * used if self.trimmed else at_slots + n_slots
+        at_small = b * cols
+        at_slots = at_small + 3 * b + 1
+        at_used = at_slots + n_slots
+        end = at_used + b * used if self.trimmed else at_used
         self.stage, self.host_stage = builder._inputs[:end], builder._host_inputs[:end]
         first = at_small if self.trimmed else 0  # the first value the host needs
         self.to_host, self.host_part = self.stage[first:], self.host_stage[first:]
         host = self.host_stage.numpy()
-        self.small, self.slots = host[at_small:at_small + 3 * b + 1], host[at_slots:at_slots + n_slots]
-        self.block_table = (host[at_used:end] if self.trimmed else host[:b * cols]).reshape(b, used)
-        self.gaps = (at_small - b * cols, at_slots - (at_small + 3 * b + 1), at_used - (at_slots + n_slots))
-        self._zeros = {}  # device -> the gaps' zeros there
+        self.small, self.slots = host[at_small:at_slots], host[at_slots:at_used]
+        self.block_table = (host[at_used:end] if self.trimmed else host[:at_small]).reshape(b, used)
 
     @staticmethod
     def size(b, cols, n_slots):
         """The most values an input layout of this shape takes."""
-        return _aligned(_aligned(_aligned(b * cols) + 3 * b + 1) + n_slots) + b * cols
-
-    def zeros(self, device):
-        zeros = self._zeros.get(device)
-        if zeros is None:
-            zeros = self._zeros[device] = [torch.zeros(g, dtype=torch.int32, device=device) for g in self.gaps]
-        return zeros
+        return 2 * b * cols + 3 * b + 1 + n_slots
 
 
 class _StepLayout:
@@ -203,8 +195,8 @@ class _StepLayout:
     step of the shape reuses (making them costs more host time than the rest of a decode step's
     build). shape: (reqs, cols, slot entries given (0: none), tokens, decodes, L).
 
-    The input buffer holds the step's inputs as given, [qsl | seq_lens | computed | block table |
-    slots]; the derived buffer what the builder works out on the host, [page-16 block table |
+    The input buffer holds the step's inputs as given (_InputLayout; the kernels read its block
+    table); the derived buffer what the builder works out, [page-16 block table |
     page-16 slots | slots | cu_seqlens_q | context_lens | query_req_id | query_abs_pos | query
     tiles | every token's request | every token's position | seq_lens | the prefills' seq_lens,
     block table and page-16 block table | the portable insert's rows]. Each tensor a kernel
@@ -479,12 +471,11 @@ class MetadataBuilder:
         n_slots = 0 if slot_mapping is None else slot_mapping.shape[0]
         # the inputs into the input buffer, then what the host needs of them in one transfer
         inputs = self._input_layout(b, cols, n_slots, used)
-        gap_table, gap_small, gap_slots = inputs.zeros(block_table.device)
-        parts = [block_table.reshape(-1), gap_table, query_start_loc, seq_lens, num_computed_tokens, gap_small]
+        parts = [block_table.reshape(-1), query_start_loc, seq_lens, num_computed_tokens]
         if slot_mapping is not None:
             parts.append(slot_mapping)
         if inputs.trimmed:
-            parts += [gap_slots, block_table[:, :used].reshape(-1)]
+            parts.append(block_table[:, :used].reshape(-1))
         if block_table.device == inputs.stage.device:
             torch.cat(parts, out=inputs.stage)
         else:
