@@ -322,7 +322,7 @@ class MetadataBuilder:
 
     # ---- the step's checks (host values, once per step) ----
 
-    def _split(self, qsl, seq, computed, decode_query_len, num_decodes, num_actual_tokens):
+    def _split(self, qsl, seq, computed, decode_query_len, num_decodes, num_actual_tokens, longest):
         """(the prefills' query lengths, num_decode_tokens, num_tokens) after checking the
         decode-first split: every decode request has L tokens, except trailing padding requests of length 0 and
         seq_len 0 (vLLM's padded uniform decode batch, whose L tokens count in num_actual_tokens).
@@ -332,7 +332,7 @@ class MetadataBuilder:
         num_decode_tokens = num_decodes * L
         if num_decodes == num_reqs and num_actual_tokens in (None, num_decode_tokens):  # a decode step
             if (_none(qsl != self._decode_offsets(num_reqs, L)) and _none(seq != computed + L)
-                    and _max(seq, initial=0) <= self.max_model_len):
+                    and longest <= self.max_model_len):
                 return _NO_PREFILLS, num_decode_tokens, num_decode_tokens
         qlens, total = qsl[1:] - qsl[:-1], int(qsl[-1])
         if (qsl[0] == 0 and num_actual_tokens in (None, total) and (qlens[:num_decodes] == L).all()
@@ -381,14 +381,14 @@ class MetadataBuilder:
             offsets = self._decode_qsl[(num_reqs, L)] = np.arange(num_reqs + 1, dtype=np.int64) * L
         return offsets
 
-    def _check_ids(self, block_table, seq, slots):
+    def _check_ids(self, block_table, seq, slots, longest):
         """(max_block_id, max_slot) of the step (host values: block_table [reqs, cols] int32, the
         written slots), after checking that every block a request's context spans has a column
         and a block id >= 0 (and < num_cache_blocks), and every slot written is in range: what a
-        layer's attend and insert would otherwise clamp."""
+        layer's attend and insert would otherwise clamp. longest: the largest seq_len (0: none)."""
         reqs, cols = block_table.shape
         need = (seq + (BLOCK_SIZE - 1)) >> 7  # cdiv(seq_len, 128)
-        if _max(need, initial=0) > cols:
+        if _cdiv(longest, BLOCK_SIZE) > cols:
             r = _first(need > cols)
             raise IndexError(f"block_table: expected at least cdiv(seq_len, 128) = {need[r]} columns for request {r} "
                              f"(seq_len {seq[r]}), got {cols} columns")
@@ -484,16 +484,17 @@ class MetadataBuilder:
             inputs.host_part.copy_(inputs.to_host)  # waits for the stream's work: the last step's copy back included
         small = inputs.small.astype(np.int64)
         qsl, seq, computed = small[:b + 1], small[b + 1:2 * b + 1], small[2 * b + 1:]
+        longest = int(_max(seq, initial=0))
         prefill_qlens, num_decode_tokens, n = self._split(qsl, seq, computed, decode_query_len, num_decodes,
-                                                          num_actual_tokens)
+                                                          num_actual_tokens, longest)
         if slot_mapping is not None and n_slots < n:
             raise ValueError(f"slot_mapping: expected at least num_tokens={n} entries, got {n_slots}")
         host_slots = inputs.slots[:n].astype(np.int64) if n_slots else np.full(n, -1, np.int64)
-        if max_seq_len is not None and _max(seq, initial=0) > max_seq_len:
+        if max_seq_len is not None and longest > max_seq_len:
             r = _first(seq > max_seq_len)
             raise ValueError(f"max_seq_len: expected at least the step's longest seq_len, got {max_seq_len} "
                              f"(request {r}'s seq_len is {seq[r]})")
-        max_block, max_slot = self._check_ids(inputs.block_table, seq, host_slots)
+        max_block, max_slot = self._check_ids(inputs.block_table, seq, host_slots, longest)
 
         layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
         stream = self._raw_stream() if self._host_derived is not self._derived else None
@@ -537,7 +538,10 @@ class MetadataBuilder:
         out["slots"][:] = slots
         req_of, pos_of = out["req"], out["pos"]  # every token's
         req_of[:nd] = layout.decode_req
-        np.add(seq[layout.decode_req], layout.decode_offset, out=pos_of[:nd])
+        if layout.L == 1:
+            np.subtract(seq[:nd], 1, out=pos_of[:nd])
+        else:
+            np.add(seq[layout.decode_req], layout.decode_offset, out=pos_of[:nd])
         if not layout.num_prefills:
             return layout.n_derived, 0
         num_decodes = seq.shape[0] - layout.num_prefills
