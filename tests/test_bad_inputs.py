@@ -221,6 +221,19 @@ def test_a_decode_step_out_of_order_is_refused_and_named(host_kernels, L, qsl, s
         builder.build(bt, i32(seq), i32(qsl), i32(computed), L, len(seq))
 
 
+@pytest.mark.parametrize("max_seq_len, match", [
+    (-1, "max_seq_len: expected an int >= 0 \\(at least the step's longest seq_len\\), got -1"),
+    (200.0, "max_seq_len: expected an int >= 0 \\(at least the step's longest seq_len\\), got 200.0"),
+    (True, "max_seq_len: expected an int >= 0 \\(at least the step's longest seq_len\\), got True"),
+    (199, "max_seq_len: expected at least the step's longest seq_len, got 199 \\(request 0's seq_len is 200\\)"),
+])
+def test_a_max_seq_len_below_the_steps_or_not_an_int_is_refused(host_kernels, max_seq_len, match):
+    builder = MetadataBuilder(8, 4096, kernels=host_kernels)
+    bt = i32([list(range(32))] * 2)
+    with pytest.raises(ValueError, match=match):
+        builder.build(bt, i32([200, 130]), i32([0, 1, 2]), i32([199, 129]), 1, 2, max_seq_len=max_seq_len)
+
+
 def test_insert_checks_the_step_against_its_cache_without_a_sync(host_kernels):
     kc, vc = allocate_kv_cache(2, 1, BF16, "interleaved", fill=0)
     before = kc.clone()

@@ -369,6 +369,8 @@ class MetadataBuilder:
 
     @staticmethod
     def _used_columns(max_seq_len) -> int:
+        if type(max_seq_len) is int and max_seq_len >= 0:
+            return (max_seq_len + BLOCK_SIZE - 1) >> 7
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 0:
             raise ValueError(f"max_seq_len: expected an int >= 0 (at least the step's longest seq_len), "
                              f"got {max_seq_len!r}")
