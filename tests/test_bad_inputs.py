@@ -221,6 +221,18 @@ def test_a_decode_step_out_of_order_is_refused_and_named(host_kernels, L, qsl, s
         builder.build(bt, i32(seq), i32(qsl), i32(computed), L, len(seq))
 
 
+def test_a_slot_whose_page16_slot_overflows_int32_is_refused(host_kernels):
+    """A page-16 slot is slot + its block's first slot, int32 like vLLM's: slots from 2**30 on
+    would wrap."""
+    builder = MetadataBuilder(8, 4096, kernels=host_kernels)
+    bt = i32([list(range(32))] * 2)
+    with pytest.raises(IndexError, match="slot_mapping: expected slots below 2\\*\\*30 \\(their page-16 slots are "
+                                         "int32\\), got 1073741824"):
+        builder.build(bt, i32([200, 130]), i32([0, 1, 2]), i32([199, 129]), 1, 2, slot_mapping=i32([5, 1 << 30]))
+    md = builder.build(bt, i32([200, 130]), i32([0, 1, 2]), i32([199, 129]), 1, 2, slot_mapping=i32([5, (1 << 30) - 1]))
+    assert md.max_slot == (1 << 30) - 1 and md.page16_slot_mapping[1] == (1 << 30) - 1 + (1 << 30) - 128
+
+
 @pytest.mark.parametrize("max_seq_len, match", [
     (-1, "max_seq_len: expected an int >= 0 \\(at least the step's longest seq_len\\), got -1"),
     (200.0, "max_seq_len: expected an int >= 0 \\(at least the step's longest seq_len\\), got 200.0"),

@@ -403,6 +403,8 @@ class MetadataBuilder:
         if max_block >= 1 << 30:
             raise IndexError(f"block_table: expected ids below 2**30 (their page-16 ids are int32), got {max_block}")
         max_slot = int(_max(slots, initial=-1))
+        if max_slot >= 1 << 30:
+            raise IndexError(f"slot_mapping: expected slots below 2**30 (their page-16 slots are int32), got {max_slot}")
         if self.num_cache_blocks is not None:
             if max_block >= self.num_cache_blocks:
                 raise IndexError(f"block_table: expected ids in [0, {self.num_cache_blocks}) (num_cache_blocks), "
@@ -491,7 +493,7 @@ class MetadataBuilder:
                                                           num_actual_tokens, longest)
         if slot_mapping is not None and n_slots < n:
             raise ValueError(f"slot_mapping: expected at least num_tokens={n} entries, got {n_slots}")
-        host_slots = inputs.slots[:n].astype(np.int64) if n_slots else np.full(n, -1, np.int64)
+        host_slots = inputs.slots[:n] if n_slots else np.full(n, -1, np.int32)
         if max_seq_len is not None and longest > max_seq_len:
             r = _first(seq > max_seq_len)
             raise ValueError(f"max_seq_len: expected at least the step's longest seq_len, got {max_seq_len} "
