@@ -88,19 +88,22 @@ def test_a_long_block_table_is_checked_over_each_requests_columns_only(host_kern
 
 @pytest.mark.parametrize("reqs", [1, 2, 5])
 def test_a_long_tables_used_ids_are_reduced_over_each_requests_columns_only(reqs):
-    """The builder's reduction of a table past _MASKED_IDS ids (by segments) against the mask, on
-    seeded tables whose rows use no, some or all of their columns (the last row's end is the
-    table's end) and hold the extreme int32 values past each context."""
+    """The builder's reduction of a table's used ids, through the mask (a table of 33 columns) and
+    past _MASKED_IDS ids by segments, against numpy's, on seeded tables whose rows use no, some or
+    all of their columns (the last row's end is the table's end; a seq_len anywhere in its last
+    block) and hold the extreme int32 values past each context."""
     rng = np.random.default_rng(reqs)
-    cols = 2 * _MASKED_IDS  # even one row is past the mask's bound
-    for _ in range(6):
-        bt = rng.integers(0, 10 ** 6, (reqs, cols)).astype(np.int32)
-        need = rng.choice([0, 1, 7, cols - 1, cols], reqs)
-        unused = np.arange(cols) >= need[:, None]
-        bt[unused] = np.where(rng.integers(0, 2, unused.sum()) == 1, np.iinfo(np.int32).max, np.iinfo(np.int32).min)
-        ids = bt[~unused]
-        expected = (int(ids.max()), int(ids.min())) if ids.size else (-1, 0)
-        assert bt.size > _MASKED_IDS and _used_extremes(bt, need) == expected, need
+    for cols in (33, 2 * _MASKED_IDS):  # one row of the second is past the mask's bound
+        for _ in range(6):
+            bt = rng.integers(0, 10 ** 6, (reqs, cols)).astype(np.int32)
+            need = rng.choice([0, 1, 7, cols - 1, cols], reqs)
+            seq = np.where(need > 0, need * 128 - rng.integers(0, 128, reqs), 0)
+            unused = np.arange(cols) >= need[:, None]
+            bt[unused] = np.where(rng.integers(0, 2, unused.sum()) == 1, np.iinfo(np.int32).max,
+                                  np.iinfo(np.int32).min)
+            ids = bt[~unused]
+            expected = (int(ids.max()), int(ids.min())) if ids.size else (-1, 0)
+            assert _used_extremes(bt, seq) == expected, (cols, need)
 
 
 def test_a_block_id_past_the_cache_is_refused_by_the_layer(layer, host_kernels):

@@ -10,6 +10,7 @@ CUDA graph) reads the next step's values from the same memory. A layer's calls r
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import torch
@@ -110,14 +111,21 @@ def _first(mask) -> int | None:
 _MASKED_IDS = 1 << 14  # block tables up to this many ids are reduced through a mask, larger ones by segments
 
 
-def _used_extremes(block_table, need) -> tuple[int, int]:
-    """(largest, smallest) id of the columns each request uses, block_table[r, :need[r]] ((-1, 0)
-    where none is used). A mask costs a pass over the table per operation; past _MASKED_IDS the
-    used segments are reduced in one pass each (3x faster at 64 x 1024 ids)."""
+@functools.lru_cache(maxsize=64)
+def _column_starts(cols) -> np.ndarray:
+    """Each of `cols` columns' first position: a column is used by a request whose seq_len passes it."""
+    return np.arange(cols, dtype=np.int64) * BLOCK_SIZE
+
+
+def _used_extremes(block_table, seq) -> tuple[int, int]:
+    """(largest, smallest) id of the columns each request uses, block_table[r, :cdiv(seq[r], 128)]
+    ((-1, 0) where none is used). A mask costs a pass over the table per operation; past
+    _MASKED_IDS the used segments are reduced in one pass each (3x faster at 64 x 1024 ids)."""
     reqs, cols = block_table.shape
     if block_table.size <= _MASKED_IDS:
-        ids = block_table[np.arange(cols) < need[:, None]]
+        ids = block_table[_column_starts(cols) < seq[:, None]]
         return (int(_max(ids)), int(_min(ids))) if ids.size else (-1, 0)
+    need = (seq + (BLOCK_SIZE - 1)) >> 7  # cdiv(seq_len, 128)
     used = need > 0
     if not used.any():
         return -1, 0
@@ -389,14 +397,14 @@ class MetadataBuilder:
         and a block id >= 0 (and < num_cache_blocks), and every slot written is in range: what a
         layer's attend and insert would otherwise clamp. longest: the largest seq_len (0: none)."""
         reqs, cols = block_table.shape
-        need = (seq + (BLOCK_SIZE - 1)) >> 7  # cdiv(seq_len, 128)
         if _cdiv(longest, BLOCK_SIZE) > cols:
+            need = (seq + (BLOCK_SIZE - 1)) >> 7  # cdiv(seq_len, 128)
             r = _first(need > cols)
             raise IndexError(f"block_table: expected at least cdiv(seq_len, 128) = {need[r]} columns for request {r} "
                              f"(seq_len {seq[r]}), got {cols} columns")
-        max_block, min_block = _used_extremes(block_table, need)
+        max_block, min_block = _used_extremes(block_table, seq)
         if min_block < 0:
-            used = np.arange(cols) < need[:, None]
+            used = _column_starts(cols) < seq[:, None]
             r, c = (int(i) for i in np.argwhere(used & (block_table < 0))[0])
             raise IndexError(f"block_table: expected a cache block id >= 0 for every block of a request's context, "
                              f"got {int(block_table[r, c])} at request {r}, column {c} (seq_len {seq[r]})")
