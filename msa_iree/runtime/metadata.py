@@ -233,8 +233,8 @@ class _StepLayout:
         # the decode rows' requests (t // L) and their positions' offsets from seq_len (t % L - L)
         self.decode_req = np.arange(nd * L, dtype=np.int32) // L
         self.decode_offset = np.arange(nd * L, dtype=np.int32) % L - L
-        page16, self.page16_slots, self.slots = views[0].view(b, cols), views[1], views[2]
-        self.page16 = page16
+        page16 = views[0].view(b, cols)
+        self.page16, self.page16_slots, self.slots = page16, views[1], views[2]
         self.prefill_views, self.tiles = (views[3:7], views[7]) if num_prefills else ((), None)
         self.token_req_id, self.token_abs_pos, seq_lens, seq_prefill, bt_prefill, page16_prefill = views[-6:]
         block_table = builder._inputs[:b * cols].view(b, cols)
@@ -262,9 +262,11 @@ class MetadataBuilder:
     by each layer (each layer checks its own cache's size against the step's largest id, without
     a sync, either way). kernels: the library whose KV writer decides the insert's slot form.
 
-    The builder runs no kernel of its own: on a GPU a step is one device copy of the inputs into
-    one buffer, one transfer of it to the host, the checks and everything derived (the page-16
-    rebase included) on the host, and one asynchronous copy back.
+    The builder runs no compiled kernel of its own: on a GPU a step is one device copy of the
+    inputs into one buffer, one transfer of what the checks read to the host, the checks and
+    everything derived (the page-16 rebase included) on the host, and one asynchronous copy back;
+    a block table wider than the step's max_seq_len is rebased on the device instead (two torch
+    ops), so that only its used columns cross to the host.
     """
 
     _LAYOUTS = 16  # step shapes whose views are kept (a decode server repeats a few)
