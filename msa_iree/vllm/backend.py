@@ -5,8 +5,9 @@ so that vLLM's MiniMax-M3 model treats them as it treats AITER's: it views the l
 SHUFFLE page-16 pages, passes the shared top-k buffer, and calls the impl with vLLM's own
 signature. What runs is msa-iree's:
 - `MsaIreeMetadataBuilder.build`: vLLM's split and sub-metadata (its own base builder), then
-  msa-iree's step plan (`MetadataBuilder.build`: the checks, the page-16 rebases through the
-  compiled kernels into stable buffers); the AITER metadata's page16 tables are the plan's;
+  msa-iree's step plan (`MetadataBuilder.build`: the checks, the page-16 rebases into stable
+  buffers, only the block table's used columns brought to the host); the AITER metadata's page16
+  tables are the plan's;
 - `MsaIreeImpl.forward`: the decode-first attend through `SparseAttention` (its top-k from
   `layer.topk_indices_buffer`, an emitted table where the layer's indexer wrote one, the fp8
   scales from `layer._k_scale` / `_v_scale`), any number of KV heads per rank;
@@ -133,8 +134,8 @@ class MsaIreeMetadata(_common.MiniMaxM3SparseMetadata):
 
 class MsaIreeMetadataBuilder(_aiter.MiniMaxM3SparseAiterPAMetadataBuilder):
     """Per step: vLLM's own split and sub-metadata (the base builder), then msa-iree's plan, once
-    for all sparse layers; the page-16 block table and slot mapping are the plan's (compiled
-    rebases into buffers at stable addresses, which a captured decode replays through)."""
+    for all sparse layers; the page-16 block table and slot mapping are the plan's (in buffers at
+    stable addresses, which a captured decode replays through)."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
