@@ -334,10 +334,10 @@ class MetadataBuilder:
 
     def _split(self, qsl, seq, computed, decode_query_len, num_decodes, num_actual_tokens, longest):
         """(the prefills' query lengths, num_decode_tokens, num_tokens) after checking the
-        decode-first split: every decode request has L tokens, except trailing padding requests of length 0 and
-        seq_len 0 (vLLM's padded uniform decode batch, whose L tokens count in num_actual_tokens).
-        A step with no padding passes in a few whole-array tests; anything else is looked at
-        request by request (and named when it fails)."""
+        decode-first split: every decode request has L tokens, except trailing padding requests of
+        length 0 and seq_len 0 (vLLM's padded uniform decode batch, whose L tokens count in
+        num_actual_tokens). A step with no padding passes in a few whole-array tests; anything else
+        is looked at request by request (and named when it fails). longest: the largest seq_len."""
         L, num_reqs = decode_query_len, seq.shape[0]
         num_decode_tokens = num_decodes * L
         if num_decodes == num_reqs and num_actual_tokens in (None, num_decode_tokens):  # a decode step
@@ -379,8 +379,8 @@ class MetadataBuilder:
 
     @staticmethod
     def _used_columns(max_seq_len) -> int:
-        if type(max_seq_len) is int and max_seq_len >= 0:
-            return (max_seq_len + BLOCK_SIZE - 1) >> 7
+        if type(max_seq_len) is int and max_seq_len >= 0:  # the common case, without the full type test
+            return _cdiv(max_seq_len, BLOCK_SIZE)
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 0:
             raise ValueError(f"max_seq_len: expected an int >= 0 (at least the step's longest seq_len), "
                              f"got {max_seq_len!r}")
@@ -414,7 +414,8 @@ class MetadataBuilder:
             raise IndexError(f"block_table: expected ids below 2**30 (their page-16 ids are int32), got {max_block}")
         max_slot = int(_max(slots, initial=-1))
         if max_slot >= 1 << 30:
-            raise IndexError(f"slot_mapping: expected slots below 2**30 (their page-16 slots are int32), got {max_slot}")
+            raise IndexError(f"slot_mapping: expected slots below 2**30 (their page-16 slots are int32), "
+                             f"got {max_slot}")
         if self.num_cache_blocks is not None:
             if max_block >= self.num_cache_blocks:
                 raise IndexError(f"block_table: expected ids in [0, {self.num_cache_blocks}) (num_cache_blocks), "
