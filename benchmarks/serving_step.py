@@ -12,6 +12,8 @@ after 63 decodes at 4K). The block table is as wide as the context, or, with --m
 wide as that (vLLM's table: cdiv(max_model_len, 128) columns whatever the context), the step's
 longest seq_len given to the builder as vLLM gives it (max_seq_len). Per layer (a step's time / 57, medians over steps):
 - build_us: one step's `MetadataBuilder.build` (+ sync), not divided by the layers;
+- build_alone_us: the same build in a loop of builds with no layers between them (the host's
+  caches warm: what the step's layers cost the build is the difference);
 - host_us: the host time of a layer's insert and attend (the 57 layers issued, before the sync);
 - eager_us: a step run eagerly: build + 57 layers + sync;
 - graph_us (decode steps): the step's 57 layers captured in a CUDA graph once, each replay after
@@ -135,7 +137,15 @@ def measure(case: ServingCase, graph: bool) -> dict:
         build.append(t1 - t0)
         host.append((t2 - t1) / LAYERS)
         eager.append((t3 - t0) / LAYERS)
-    row = {"build_us": _median(build), "host_us": _median(host), "eager_us": _median(eager)}
+    alone = []
+    for _ in range(STEPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        case.build()
+        torch.cuda.synchronize()
+        alone.append(time.perf_counter() - t0)
+    row = {"build_us": _median(build), "build_alone_us": _median(alone), "host_us": _median(host),
+           "eager_us": _median(eager)}
     if graph:
         md = case.build()
         case.layers_call(md)
@@ -179,15 +189,15 @@ def library_memory_MB(build_dir, device, layers, launch) -> float:
 
 
 # the table's measured columns: (row key, width, format)
-COLUMNS = [("build_us", 8, ".1f"), ("host_us", 7, ".1f"), ("eager_us", 8, ".1f"), ("graph_us", 8, ".1f"),
+COLUMNS = [("build_us", 8, ".1f"), ("build_alone_us", 7, ".1f"), ("host_us", 7, ".1f"), ("eager_us", 8, ".1f"), ("graph_us", 8, ".1f"),
            ("kernels_us", 10, ".1f"), ("eager_over_graph", 11, ".2f"), ("graph_over_kernels", 10, ".2f")]
 
 
 def format_table(rows) -> str:
     head = (f"{'step':>8} {'insert':>8} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'table':>7} {'build us':>8} "
-            f"{'host us':>7} {'eager us':>8} {'graph us':>8} {'kernels us':>10} {'eager/graph':>11} {'graph/kern':>10}")
-    lines = ["per layer (57 layers a step; build us: a step's metadata build; table: its block table's width "
-             "in tokens)", head]
+            f"{'alone':>7} {'host us':>7} {'eager us':>8} {'graph us':>8} {'kernels us':>10} {'eager/graph':>11} {'graph/kern':>10}")
+    lines = ["per layer (57 layers a step; build us: a step's metadata build, alone: in a loop of builds; table: "
+             "its block table's width in tokens)", head]
     for r in rows:
         cells = [table_cell(r.get(k), w, f) for k, w, f in COLUMNS]
         lines.append(f"{r['step']:>8} {r.get('insert', 'separate'):>8} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} "

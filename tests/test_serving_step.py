@@ -36,3 +36,17 @@ def test_a_step_of_the_layers_attends_as_the_reference(host_kernels, monkeypatch
         reference.sparse_paged_attend(case.q, k, v, bt, ctx, 1, attn.scale, ref)
         assert_attend_close(out, ref, f"chunk {chunk}")
     assert case.layers[0][1].data_ptr() != case.layers[1][1].data_ptr()  # each layer its own cache
+
+
+def test_a_cases_measurement_runs_end_to_end_on_the_host(host_kernels, monkeypatch):
+    """measure() (its CUDA syncs made no-ops, no graph): every timing is taken, each a duration."""
+    from benchmarks import serving_step
+
+    monkeypatch.setattr(bench, "POOL_BYTES", 1 << 20)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(serving_step, "STEPS", 3)
+    case = ServingCase(host_kernels, torch.device("cpu"), batch=3, context=300, num_heads=16, kv_name="bf16",
+                       pool_gib=1 / 64, layers=2)
+    row = serving_step.measure(case, graph=False)
+    assert set(row) == {"build_us", "build_alone_us", "host_us", "eager_us"}
+    assert all(v > 0 for v in row.values())
