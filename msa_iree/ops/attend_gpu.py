@@ -94,7 +94,7 @@ class GpuAttendSpec(TemplateSpec):
         merge_rows_splits, merge_row_parts = (0, 1) if t.fused_merge else (t.merge_rows_splits, t.merge_row_parts)
         return {"SPLITS": self.tuning.split_rule(fp8), "MERGE_ROWS_SPLITS": merge_rows_splits,
                 "MRP": merge_row_parts, "BT_PRELOAD": bt_preload,
-                "MIN_CTAS": t.min_ctas_per_sm_fp8 if fp8 and t.min_ctas_per_sm_fp8 is not None else t.min_ctas_per_sm,
+                "MIN_CTAS": t.min_ctas(fp8),
                 "WAVES_PER_EU": None if self.emulate_mfma else t.waves_per_eu, "HW_FP8": hw_fp8,
                 "ASYNC_KV": async_kv, "EARLY_V": t.early_v and not fp8,
                 "Q_FIRST": self.q_first_applies(t.q_first and bt_preload > 0), "FUSED_MERGE": t.fused_merge,

@@ -26,6 +26,11 @@ SPLITS_AT_MOST_8 = ((16, 8), (32, 8), (64, 4), (128, 2))
 ARRIVAL_COUNTERS = 128
 
 
+def _fp8_or(value, fp8_value, fp8: bool):
+    """A knob's value: its fp8 variant's for fp8 caches where that is set (not None)."""
+    return fp8_value if fp8 and fp8_value is not None else value
+
+
 @dataclasses.dataclass(frozen=True)
 class AttendTuning:
     """One kernel family's knobs (the defaults are the knob's off state)."""
@@ -67,8 +72,11 @@ class AttendTuning:
             raise ValueError(f"AttendTuning.bt_preload: expected a multiple of 256 block-table columns, "
                              f"got {self.bt_preload}")
 
+    def min_ctas(self, fp8: bool) -> int | None:
+        return _fp8_or(self.min_ctas_per_sm, self.min_ctas_per_sm_fp8, fp8)
+
     def prefetch_sides(self, fp8: bool) -> str:
-        return self.prefetch_next_fp8 if fp8 and self.prefetch_next_fp8 is not None else self.prefetch_next
+        return _fp8_or(self.prefetch_next, self.prefetch_next_fp8, fp8)
 
     def split_rule(self, fp8: bool) -> tuple:
         return self.splits_fp8 if fp8 else self.splits
