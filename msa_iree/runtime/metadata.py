@@ -593,7 +593,9 @@ class MetadataBuilder:
     @staticmethod
     def _rebase_on_device(layout):
         """The page-16 block table, and the prefills' rows of both tables, from the whole block
-        table where the kernels read it (after the copy back, which does not write them)."""
+        table where the kernels read it. After the copy back: that starts past the page-16 table
+        but brings the prefills' rows as the host left them (not written when trimmed), which
+        these ops, later on the same stream, overwrite."""
         torch.mul(layout.block_table, 2, out=layout.page16)
         if layout.prefill is not None:
             rows = layout.block_table[-layout.num_prefills:]
