@@ -525,8 +525,11 @@ class MetadataBuilder:
             out[lo:lo + m], out[hi:hi + m] = keep, host_slots[keep]
             count = hi + m
             token_index, insert_slots = self._derived[lo:lo + m], self._derived[hi:hi + m]
-        self._copy_back(layout, count, stream, layout.at["page16_slots"] if inputs.trimmed else 0)
-        if inputs.trimmed:  # the whole-width tables from the block table where it is
+        if not inputs.trimmed:
+            self._copy_back(layout, stream, 0, count)
+        else:  # all but the tables, which the device rebases from the block table where it is
+            self._copy_back(layout, stream, layout.at["page16_slots"], layout.at["bt_prefill"])
+            self._copy_back(layout, stream, layout.n_derived, count)  # the portable insert's rows, if any
             self._rebase_on_device(layout)
         return MsaMetadata(n, num_decodes, num_decode_tokens, b - num_decodes, n - num_decode_tokens, layout.decode,
                            layout.prefill, layout.slots, layout.page16_slots, token_index, insert_slots,
@@ -579,23 +582,21 @@ class MetadataBuilder:
         lens = np.concatenate([np.full(num_decodes, layout.L), qlens])
         return layout.n_derived, _write_query_tiles(out["tiles"], starts, lens)
 
-    def _copy_back(self, layout, count, stream, first=0):
-        """The derived buffer's values [first, count) to the device (a GPU's: asynchronously on
+    def _copy_back(self, layout, stream, first, end):
+        """The derived buffer's values [first, end) to the device (a GPU's: asynchronously on
         `stream`; the next step's transfer to the host waits for it, being on the same stream)."""
-        if stream is None or count == first:
+        if stream is None or end <= first:
             return
-        if count == layout.n_derived and first == 0:
+        if first == 0 and end == layout.n_derived:
             layout.derived.copy_(layout.host_derived, non_blocking=True)
         else:
-            self._derived[first:count].copy_(self._host_derived[first:count], non_blocking=True)
+            self._derived[first:end].copy_(self._host_derived[first:end], non_blocking=True)
         self._copy_stream = stream
 
     @staticmethod
     def _rebase_on_device(layout):
         """The page-16 block table, and the prefills' rows of both tables, from the whole block
-        table where the kernels read it. After the copy back: that starts past the page-16 table
-        but brings the prefills' rows as the host left them (not written when trimmed), which
-        these ops, later on the same stream, overwrite."""
+        table where the kernels read it (the copy back leaves these out)."""
         torch.mul(layout.block_table, 2, out=layout.page16)
         if layout.prefill is not None:
             rows = layout.block_table[-layout.num_prefills:]
