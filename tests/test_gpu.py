@@ -267,6 +267,71 @@ def test_serving_simulation_on_gpu(cuda_kernels, kv, qd, layout, h, smode, matri
     assert s.k_cache.device.type == "cuda"
 
 
+def _metadata_values(md, prefix=""):
+    """Every value of a step's metadata (tensors on the host), by field name; not step_key (addresses)."""
+    import dataclasses
+
+    values = {}
+    for f in dataclasses.fields(md):
+        v = getattr(md, f.name)
+        if dataclasses.is_dataclass(v):
+            values.update(_metadata_values(v, f"{prefix}{f.name}."))
+        elif f.name != "step_key":
+            values[prefix + f.name] = v.cpu() if isinstance(v, torch.Tensor) else v
+    return values
+
+
+def test_the_builder_on_cuda_gives_the_hosts_metadata():
+    """A step built on CUDA (the driver's copies from int32 inputs, int64 slots as vLLM's; torch's
+    copies from int64 ones) holds the values the same step built on the host does: decode steps,
+    a padded batch, spec decode, a mixed step in a table wider than max_seq_len (its used columns
+    copied as rows), without slots, and the same shape again with new values."""
+    from msa_iree.runtime import MetadataBuilder
+
+    gen = torch.Generator().manual_seed(5)
+    blocks, cols = 400, 48
+
+    def step(qlens, seq_lens, slot_dtype=torch.int32, ints=torch.int32):
+        seq = torch.tensor(seq_lens, dtype=ints)
+        q = torch.tensor(qlens, dtype=ints)
+        qsl = torch.cat([torch.zeros(1, dtype=ints), q.cumsum(0).to(ints)])
+        table = torch.randperm(blocks, generator=gen)[:len(qlens) * cols].view(len(qlens), cols).int()
+        table[:, 40:] = -1  # past every request's blocks (stale in vLLM's table)
+        req = torch.repeat_interleave(torch.arange(len(qlens)), q.long())
+        pos = (seq - q).long()[req] + torch.arange(req.shape[0]) - qsl.long()[req]
+        slots = (table.long()[req, pos.clamp(min=0) // 128] * 128 + pos % 128).where(pos >= 0, -1).to(slot_dtype)
+        return table, seq, qsl, seq - q, slots
+
+    cases = [  # (qlens, seq_lens, L, num_decodes, keywords, step options)
+        ([1, 1, 1, 1], [300, 129, 128, 1], 1, 4, {}, {}),
+        ([1, 1, 1, 1], [5000, 17, 1024, 2], 1, 4, {}, {}),   # the same shape, new values
+        ([1, 1, 1, 1], [300, 129, 128, 1], 1, 4, {}, {"slot_dtype": torch.int64}),
+        ([1, 1, 0, 0], [300, 129, 0, 0], 1, 4, {"num_actual_tokens": 4}, {}),
+        ([4, 4, 4], [300, 131, 4], 4, 3, {}, {"slot_dtype": torch.int64}),
+        ([1, 1, 200, 57], [300, 129, 1000, 57], 1, 2, {"max_seq_len": 1100}, {"slot_dtype": torch.int64}),
+        ([1, 1, 200, 57], [300, 129, 1000, 57], 1, 2, {"max_seq_len": 1100}, {"ints": torch.int64}),
+        ([1, 1, 1], [300, 129, 4096], 1, 3, {"max_seq_len": 4096, "no_slots": True}, {}),
+    ]
+    on_cuda = MetadataBuilder(8, cols * 128, num_cache_blocks=blocks, kernels=None, device="cuda")
+    on_host = MetadataBuilder(8, cols * 128, num_cache_blocks=blocks, kernels=None, device="cpu")
+    for i, (qlens, seq_lens, L, nd, kw, opts) in enumerate(cases):
+        kw = dict(kw)
+        table, seq, qsl, computed, slots = step(qlens, seq_lens, **opts)
+        if kw.pop("no_slots", False):
+            slots = None
+        elif "num_actual_tokens" in kw:  # a padded batch's slots cover its padding tokens too
+            slots = torch.cat([slots, slots.new_full((kw["num_actual_tokens"] - slots.shape[0],), -1)])
+        want = _metadata_values(on_host.build(table, seq, qsl, computed, L, nd, slots, **kw))
+        table, seq, qsl, computed, slots = (None if t is None else t.cuda() for t in (table, seq, qsl, computed, slots))
+        got = _metadata_values(on_cuda.build(table, seq, qsl, computed, L, nd, slots, **kw))
+        assert got.keys() == want.keys(), i
+        for name, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[name], value), (i, name)
+            else:
+                assert got[name] == value, (i, name)
+
+
 @pytest.mark.parametrize("kv, qd, layout, h, smode", gpu_cases.GPU_SERVING_CASES)
 @pytest.mark.parametrize("matrix", ["mma", "mfma"])
 def test_forward_inserts_a_decode_steps_kv_in_its_own_launch(cuda_kernels, kv, qd, layout, h, smode, matrix):

@@ -126,7 +126,12 @@ class CudaDriver:
 
     def __init__(self):
         if CudaDriver._lib is None:
-            CudaDriver._lib = ctypes.CDLL("libcuda.so.1")
+            lib = CudaDriver._lib = ctypes.CDLL("libcuda.so.1")
+            # (destination, source, bytes, stream); pointers as ints (device) or ints / None (host)
+            for name in ("cuMemcpyDtoHAsync_v2", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoDAsync_v2"):
+                getattr(lib, name).argtypes = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+            lib.cuMemcpy2DAsync_v2.argtypes = (ctypes.POINTER(_Memcpy2D), ctypes.c_void_p)
+            lib.cuStreamSynchronize.argtypes = (ctypes.c_void_p,)
         self.lib = CudaDriver._lib
 
     def check(self, rc: int, what: str):
@@ -145,6 +150,27 @@ class CudaDriver:
             functions[name] = fn
         return module, functions
 
+    # ---- stream-ordered copies of plain memory (addresses as ints; the host side pinned) ----
+
+    def copy_to_host(self, host: int, device: int, nbytes: int, stream: int):
+        self.check(self.lib.cuMemcpyDtoHAsync_v2(host, device, nbytes, stream), "cuMemcpyDtoHAsync")
+
+    def copy_to_device(self, device: int, host: int, nbytes: int, stream: int):
+        self.check(self.lib.cuMemcpyHtoDAsync_v2(device, host, nbytes, stream), "cuMemcpyHtoDAsync")
+
+    def copy_on_device(self, dst: int, src: int, nbytes: int, stream: int):
+        self.check(self.lib.cuMemcpyDtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+    def copy_rows_to_host(self, host: int, device: int, row_bytes: int, pitch: int, rows: int, stream: int):
+        """rows x row_bytes from device memory whose rows start `pitch` bytes apart, packed."""
+        copy = _Memcpy2D(srcMemoryType=_MEMORYTYPE_DEVICE, srcDevice=device, srcPitch=pitch,
+                         dstMemoryType=_MEMORYTYPE_HOST, dstHost=host, dstPitch=row_bytes,
+                         WidthInBytes=row_bytes, Height=rows)
+        self.check(self.lib.cuMemcpy2DAsync_v2(ctypes.byref(copy), stream), "cuMemcpy2DAsync")
+
+    def synchronize(self, stream: int):
+        self.check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
     def allow_shared(self, fn, nbytes: int):
         """Let `fn` launch with `nbytes` of dynamic shared memory: past 48 KiB a kernel must opt in
         (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
@@ -152,6 +178,16 @@ class CudaDriver:
                    "cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES")
 
 
+class _Memcpy2D(ctypes.Structure):  # CUDA_MEMCPY2D (cuda.h)
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t), ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+                ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64),
+                ("dstArray", ctypes.c_void_p), ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t),
+                ("Height", ctypes.c_size_t)]
+
+
+_MEMORYTYPE_HOST, _MEMORYTYPE_DEVICE = 1, 2  # CUmemorytype (cuda.h)
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute (cuda.h)
 SHARED_WITHOUT_OPT_IN = 48 * 1024   # dynamic shared memory any kernel may launch with
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)

@@ -155,6 +155,15 @@ def _write_query_tiles(out, starts, lens) -> int:
     return count
 
 
+def _copy_driver(device):
+    """The CUDA driver's copies for a builder on an NVIDIA GPU (None elsewhere: torch's copies).
+    A torch copy costs 10-30 us of host time where the driver's call costs a few (benchmarks/PERF.md)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    from .cuda_launch import CudaDriver
+    return CudaDriver()
+
+
 ALIGN = 16  # int32 elements: every tensor a step hands the kernels starts 64-byte aligned
 
 
@@ -196,6 +205,33 @@ class _InputLayout:
     def size(b, cols, n_slots):
         """The most values an input layout of this shape takes."""
         return 2 * b * cols + 3 * b + 1 + n_slots
+
+
+class _CopiedInputs:
+    """Where the inputs of one step shape land in the pinned host buffer when the driver copies
+    them from the caller's tensors (CUDA; int32 qsl, seq_lens and computed): [qsl | seq_lens |
+    computed | slots in their own dtype (vLLM's are int64) | the block table's first `used`
+    columns], packed, each copy's host address beside it. The kernels' block table is the input
+    buffer's prefix, copied there on the device. What the checks read is _InputLayout's."""
+
+    def __init__(self, builder, b, cols, n_slots, slot_bytes, used):
+        self.trimmed = used < cols
+        at_slots = 3 * b + 2 - (3 * b + 1) % 2  # int32 elements: an int64 slot starts 8-byte aligned
+        slot_words = n_slots * slot_bytes // 4
+        at_table = at_slots + slot_words
+        host = builder._host_inputs.numpy()
+        self.small = host[:3 * b + 1]
+        self.slots = host[at_slots:at_table].view(np.int64 if slot_bytes == 8 else np.int32)
+        self.block_table = host[at_table:at_table + b * used].reshape(b, used)
+        base = builder._host_inputs.data_ptr()
+        self.qsl_at, self.seq_at, self.computed_at = base, base + 4 * (b + 1), base + 4 * (2 * b + 1)
+        self.slots_at, self.table_at = base + 4 * at_slots, base + 4 * at_table
+        self.table_bytes, self.row_bytes, self.pitch = 4 * b * cols, 4 * used, 4 * cols
+        self.stage_at = builder._inputs.data_ptr()  # the kernels' block table
+
+    @staticmethod
+    def size(b, cols, n_slots, slot_bytes):
+        return 3 * b + 2 + n_slots * slot_bytes // 4 + b * cols
 
 
 class _StepLayout:
@@ -284,6 +320,7 @@ class MetadataBuilder:
         self._layouts = {}
         self._decode_qsl = {}  # (reqs, L) -> a decode step's query_start_loc
         self._copy_stream = None  # on a GPU: the stream of the last copy of the derived values to the device
+        self._driver = _copy_driver(self.device)
         tokens = max_num_tokens or max_num_seqs * 8
         self._allocate_inputs(_InputLayout.size(max_num_seqs, self.max_cols, tokens))
         self._allocate_derived(tokens)
@@ -296,6 +333,7 @@ class MetadataBuilder:
         return t, t if self.device.type == "cpu" else torch.empty(n, dtype=torch.int32, pin_memory=True)
 
     def _allocate_inputs(self, n):
+        self._await_copies()
         self._inputs, self._host_inputs = self._buffer(n)
         self._stages = {}  # (reqs, cols, slot entries, used columns) -> _InputLayout
         self._layouts.clear()
@@ -308,7 +346,24 @@ class MetadataBuilder:
             layout = self._stages[(b, cols, n_slots, used)] = _InputLayout(self, b, cols, n_slots, used)
         return layout
 
+    def _copied_inputs(self, b, cols, n_slots, slot_bytes, used) -> _CopiedInputs:
+        key = (b, cols, n_slots, used, slot_bytes)
+        layout = self._stages.get(key)
+        if layout is None:
+            if _CopiedInputs.size(b, cols, n_slots, slot_bytes) > self._inputs.shape[0]:
+                self._allocate_inputs(max(_CopiedInputs.size(b, cols, n_slots, slot_bytes),
+                                          _InputLayout.size(b, cols, n_slots)))
+            layout = self._stages[key] = _CopiedInputs(self, b, cols, n_slots, slot_bytes, used)
+        return layout
+
+    def _await_copies(self):
+        """Before a buffer is given up: the copies the driver queued from its host twin are done
+        (torch's pinned allocator knows nothing of them, and would hand the memory out again)."""
+        if self._copy_stream is not None:
+            torch.cuda.synchronize(self.device)
+
     def _allocate_derived(self, tokens):
+        self._await_copies()
         self.max_tokens = tokens
         # vLLM's page-16 table (at most [max_num_seqs, cdiv(max_model_len, 128)]), then the per-token values
         self._derived, self._host_derived = self._buffer(self.max_num_seqs * (3 * self.max_cols + 5) + 1 + 8 * tokens
@@ -484,19 +539,9 @@ class MetadataBuilder:
         b, cols = block_table.shape
         used = cols if max_seq_len is None else min(cols, self._used_columns(max_seq_len))
         n_slots = 0 if slot_mapping is None else slot_mapping.shape[0]
-        # the inputs into the input buffer, then what the host needs of them in one transfer
-        inputs = self._input_layout(b, cols, n_slots, used)
-        parts = [block_table.reshape(-1), query_start_loc, seq_lens, num_computed_tokens]
-        if slot_mapping is not None:
-            parts.append(slot_mapping)
-        if inputs.trimmed:
-            parts.append(block_table[:, :used].reshape(-1))
-        if block_table.device == inputs.stage.device:
-            torch.cat(parts, out=inputs.stage)
-        else:
-            inputs.stage.copy_(torch.cat(parts))
-        if self._host_inputs is not self._inputs:
-            inputs.host_part.copy_(inputs.to_host)  # waits for the stream's work: the last step's copy back included
+        stream = self._raw_stream() if self._host_derived is not self._derived else None
+        inputs = self._inputs_to_host(block_table, seq_lens, query_start_loc, num_computed_tokens, slot_mapping,
+                                      n_slots, used, stream)
         small = inputs.small.astype(np.int64)
         qsl, seq, computed = small[:b + 1], small[b + 1:2 * b + 1], small[2 * b + 1:]
         longest = int(_max(seq, initial=0))
@@ -512,7 +557,6 @@ class MetadataBuilder:
         max_block, max_slot = self._check_ids(inputs.block_table, seq, host_slots, longest)
 
         layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
-        stream = self._raw_stream() if self._host_derived is not self._derived else None
         count, num_tiles = self._derive(layout, inputs.block_table, host_slots, prefill_qlens, computed[num_decodes:],
                                         seq, stream, inputs.trimmed)
         if self.gpu_writer:
@@ -535,6 +579,51 @@ class MetadataBuilder:
                            layout.prefill, layout.slots, layout.page16_slots, token_index, insert_slots,
                            layout.block_table, layout.token_req_id, layout.token_abs_pos, max_block, max_slot,
                            layout.key, None if layout.tiles is None else layout.tiles[:num_tiles])
+
+    def _inputs_to_host(self, block_table, seq_lens, qsl, computed, slot_mapping, n_slots, used, stream):
+        """The step's inputs where the host reads them, and the block table where the kernels do
+        (the input buffer's prefix, a stable address). On CUDA, with int32 qsl, seq_lens and
+        computed on the builder's (current) device: the driver's copies straight from the
+        caller's tensors (the used columns as one strided copy); else the inputs concatenated
+        into the input buffer, from which one transfer brings what the host reads. Either way
+        the transfer waits for the stream's work, the last step's copy back included."""
+        b, cols = block_table.shape
+        driver = self._driver
+        if (driver is not None and qsl.dtype == seq_lens.dtype == computed.dtype == torch.int32
+                and block_table.device == self._inputs.device and block_table.is_contiguous()
+                and qsl.is_contiguous() and seq_lens.is_contiguous() and computed.is_contiguous()
+                and (slot_mapping is None or slot_mapping.is_contiguous())
+                and block_table.device.index == torch.cuda.current_device()):
+            slot_bytes = 0 if slot_mapping is None else slot_mapping.element_size()
+            inputs = self._copied_inputs(b, cols, n_slots, slot_bytes, used)
+            driver.copy_to_host(inputs.qsl_at, qsl.data_ptr(), 4 * (b + 1), stream)
+            if b:  # (an empty tensor may have no address)
+                driver.copy_to_host(inputs.seq_at, seq_lens.data_ptr(), 4 * b, stream)
+                driver.copy_to_host(inputs.computed_at, computed.data_ptr(), 4 * b, stream)
+            if n_slots:
+                driver.copy_to_host(inputs.slots_at, slot_mapping.data_ptr(), n_slots * slot_bytes, stream)
+            if inputs.table_bytes:
+                if not inputs.trimmed:
+                    driver.copy_to_host(inputs.table_at, block_table.data_ptr(), inputs.table_bytes, stream)
+                elif inputs.row_bytes:
+                    driver.copy_rows_to_host(inputs.table_at, block_table.data_ptr(), inputs.row_bytes, inputs.pitch,
+                                             b, stream)
+                driver.copy_on_device(inputs.stage_at, block_table.data_ptr(), inputs.table_bytes, stream)
+            driver.synchronize(stream)
+            return inputs
+        inputs = self._input_layout(b, cols, n_slots, used)
+        parts = [block_table.reshape(-1), qsl, seq_lens, computed]
+        if slot_mapping is not None:
+            parts.append(slot_mapping)
+        if inputs.trimmed:
+            parts.append(block_table[:, :used].reshape(-1))
+        if block_table.device == inputs.stage.device:
+            torch.cat(parts, out=inputs.stage)
+        else:
+            inputs.stage.copy_(torch.cat(parts))
+        if self._host_inputs is not self._inputs:
+            inputs.host_part.copy_(inputs.to_host)
+        return inputs
 
     def _derive(self, layout, block_table, slots, qlens, computed, seq, stream, trimmed) -> tuple[int, int]:
         """Write the derived values into the host side of the derived buffer (once the last
@@ -587,7 +676,10 @@ class MetadataBuilder:
         `stream`; the next step's transfer to the host waits for it, being on the same stream)."""
         if stream is None or end <= first:
             return
-        if first == 0 and end == layout.n_derived:
+        if self._driver is not None:
+            self._driver.copy_to_device(self._derived.data_ptr() + 4 * first, self._host_derived.data_ptr() + 4 * first,
+                                        4 * (end - first), stream)
+        elif first == 0 and end == layout.n_derived:
             layout.derived.copy_(layout.host_derived, non_blocking=True)
         else:
             self._derived[first:end].copy_(self._host_derived[first:end], non_blocking=True)
