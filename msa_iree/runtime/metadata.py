@@ -157,7 +157,8 @@ def _write_query_tiles(out, starts, lens) -> int:
 
 def _copy_driver(device):
     """The CUDA driver's copies for a builder on an NVIDIA GPU (None elsewhere: torch's copies).
-    A torch copy costs 10-30 us of host time where the driver's call costs a few (benchmarks/PERF.md)."""
+    A serving step's build spends less host time in a few driver calls than in torch's
+    concatenation and copies (benchmarks/PERF.md, decision record)."""
     if device.type != "cuda" or torch.version.hip is not None:
         return None
     from .cuda_launch import CudaDriver
@@ -298,11 +299,14 @@ class MetadataBuilder:
     by each layer (each layer checks its own cache's size against the step's largest id, without
     a sync, either way). kernels: the library whose KV writer decides the insert's slot form.
 
-    The builder runs no compiled kernel of its own: on a GPU a step is one device copy of the
-    inputs into one buffer, one transfer of what the checks read to the host, the checks and
-    everything derived (the page-16 rebase included) on the host, and one asynchronous copy back;
-    a block table wider than the step's max_seq_len is rebased on the device instead (two torch
-    ops), so that only its used columns cross to the host.
+    The builder runs no compiled kernel of its own. On CUDA a step is the driver's copies of the
+    inputs, straight from the caller's tensors, into pinned host memory (and of the block table
+    into the builder's buffer, where the kernels read it), the checks and everything derived (the
+    page-16 rebase included) on the host, and one asynchronous copy back; elsewhere on a GPU (or
+    for int64 query_start_loc, seq_lens or num_computed_tokens) the inputs are concatenated into
+    one device buffer first and cross in one transfer. A block table wider than the step's
+    max_seq_len is rebased on the device instead (two torch ops), so that only its used columns
+    cross to the host.
     """
 
     _LAYOUTS = 16  # step shapes whose views are kept (a decode server repeats a few)
