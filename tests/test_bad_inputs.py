@@ -7,7 +7,7 @@ import torch
 from msa_iree import reference as R
 from msa_iree.layout import allocate_kv_cache, pack_kv_cache
 from msa_iree.runtime import MetadataBuilder, SparseAttention, insert_kv
-from msa_iree.runtime.metadata import _MASKED_IDS, _used_extremes
+from msa_iree.runtime.metadata import _MASKED_IDS, _largest_used_id
 from tolerances import assert_attend_close
 
 BF16 = torch.bfloat16
@@ -88,22 +88,28 @@ def test_a_long_block_table_is_checked_over_each_requests_columns_only(host_kern
 
 @pytest.mark.parametrize("reqs", [1, 2, 5])
 def test_a_long_tables_used_ids_are_reduced_over_each_requests_columns_only(reqs):
-    """The builder's reduction of a table's used ids, through the mask (a table of 33 columns) and
-    past _MASKED_IDS ids by segments, against numpy's, on seeded tables whose rows use no, some or
-    all of their columns (the last row's end is the table's end; a seq_len anywhere in its last
-    block) and hold the extreme int32 values past each context."""
+    """The builder's reduction of a table's used ids (their largest read as uint32, so that a
+    negative one reads as 2**31 or more), through the mask (a table of 33 columns) and past
+    _MASKED_IDS ids by segments, against numpy's, on seeded tables whose rows use no, some or all
+    of their columns (the last row's end is the table's end; a seq_len anywhere in its last block),
+    hold the extreme int32 values past each context, and in half the tables a negative id inside one."""
     rng = np.random.default_rng(reqs)
     for cols in (33, 2 * _MASKED_IDS):  # one row of the second is past the mask's bound
-        for _ in range(6):
+        for trial in range(6):
             bt = rng.integers(0, 10 ** 6, (reqs, cols)).astype(np.int32)
             need = rng.choice([0, 1, 7, cols - 1, cols], reqs)
             seq = np.where(need > 0, need * 128 - rng.integers(0, 128, reqs), 0)
             unused = np.arange(cols) >= need[:, None]
             bt[unused] = np.where(rng.integers(0, 2, unused.sum()) == 1, np.iinfo(np.int32).max,
                                   np.iinfo(np.int32).min)
+            if trial % 2 and need.any():
+                r = int(np.flatnonzero(need)[-1])
+                bt[r, rng.integers(0, need[r])] = -3
             ids = bt[~unused]
-            expected = (int(ids.max()), int(ids.min())) if ids.size else (-1, 0)
-            assert _used_extremes(bt, seq) == expected, (cols, need)
+            expected = int(ids.astype(np.int64).max()) if ids.size else -1
+            if ids.size and ids.min() < 0:
+                expected = 2 ** 32 + int(ids[ids < 0].max())  # the largest negative id, as uint32
+            assert _largest_used_id(bt, seq) == expected, (cols, need)
 
 
 def test_a_block_id_past_the_cache_is_refused_by_the_layer(layer, host_kernels):

@@ -281,15 +281,19 @@ def _metadata_values(md, prefix=""):
     return values
 
 
-def test_the_builder_on_cuda_gives_the_hosts_metadata():
+@pytest.mark.parametrize("writer", ["gpu", "portable"])
+@pytest.mark.parametrize("blocks, cols", [(400, 48), (20000, 4608)])
+def test_the_builder_on_cuda_gives_the_hosts_metadata(cuda_kernels, writer, blocks, cols):
     """A step built on CUDA (the driver's copies from int32 inputs, int64 slots as vLLM's; torch's
     copies from int64 ones) holds the values the same step built on the host does: decode steps,
     a padded batch, spec decode, a mixed step in a table wider than max_seq_len (its used columns
-    copied as rows), without slots, and the same shape again with new values."""
+    copied as rows), without slots, and the same shape again with new values; for the GPU's KV
+    writer and the portable one (its rows after the rest); in a table of 48 columns and in one
+    past _HOST_REBASE_IDS (the page-16 tables rebased by torch ops)."""
     from msa_iree.runtime import MetadataBuilder
 
     gen = torch.Generator().manual_seed(5)
-    blocks, cols = 400, 48
+    kernels = cuda_kernels if writer == "gpu" else None
 
     def step(qlens, seq_lens, slot_dtype=torch.int32, ints=torch.int32):
         seq = torch.tensor(seq_lens, dtype=ints)
@@ -312,8 +316,8 @@ def test_the_builder_on_cuda_gives_the_hosts_metadata():
         ([1, 1, 200, 57], [300, 129, 1000, 57], 1, 2, {"max_seq_len": 1100}, {"ints": torch.int64}),
         ([1, 1, 1], [300, 129, 4096], 1, 3, {"max_seq_len": 4096, "no_slots": True}, {}),
     ]
-    on_cuda = MetadataBuilder(8, cols * 128, num_cache_blocks=blocks, kernels=None, device="cuda")
-    on_host = MetadataBuilder(8, cols * 128, num_cache_blocks=blocks, kernels=None, device="cpu")
+    on_cuda = MetadataBuilder(8, cols * 128, num_cache_blocks=blocks, kernels=kernels, device="cuda")
+    on_host = MetadataBuilder(8, cols * 128, num_cache_blocks=blocks, kernels=kernels, device="cpu")
     for i, (qlens, seq_lens, L, nd, kw, opts) in enumerate(cases):
         kw = dict(kw)
         table, seq, qsl, computed, slots = step(qlens, seq_lens, **opts)

@@ -223,6 +223,27 @@ def test_the_builder_runs_no_compiled_module(host_kernels, monkeypatch):
     assert md.page16_slot_mapping.tolist() == [299 + 2 * 128, 128 * 10]  # slot + its block's first slot
 
 
+def test_a_table_past_the_host_rebase_bound_is_rebased_by_torch_ops():
+    """A block table of more ids than _HOST_REBASE_IDS (as wide as the contexts: nothing trimmed):
+    its page-16 tables (the decodes' and the prefill's rows) and the prefill's rows come from
+    torch ops, not the host's numpy; each equals the reference's rebase, for a mixed step and the
+    next step of the same shape with other ids."""
+    from msa_iree.runtime import MetadataBuilder
+    from msa_iree.runtime.metadata import _HOST_REBASE_IDS
+
+    cols = _HOST_REBASE_IDS // 2 + 1  # 3 requests: past the bound
+    builder = MetadataBuilder(max_num_seqs=3, max_model_len=cols * 128)
+    seq = torch.tensor([cols * 128, 300, 5], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 7], dtype=torch.int32)
+    for base in (0, 7):
+        bt = (torch.arange(3 * cols, dtype=torch.int32) * 3 + base).reshape(3, cols)
+        md = builder.build(bt, seq, qsl, seq - (qsl[1:] - qsl[:-1]), 1, 2)
+        page16 = R.rebase_block_table_to_page16(bt)
+        assert torch.equal(md.decode.page16_block_table, page16[:2]), base
+        assert torch.equal(md.prefill.page16_block_table, page16[2:]), base
+        assert torch.equal(md.prefill.block_table, bt[2:]), base
+
+
 def test_a_step_of_the_same_shape_lands_at_the_same_addresses():
     """What a captured graph and a bound launch read: the next step's values (new tensors, same
     shapes) in the same memory; a mixed step (decodes, then a prefill). (The host's portable KV

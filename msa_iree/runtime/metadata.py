@@ -109,6 +109,7 @@ def _first(mask) -> int | None:
 
 
 _MASKED_IDS = 1 << 14  # block tables up to this many ids are reduced through a mask, larger ones by segments
+_HOST_REBASE_IDS = 1 << 14  # block tables up to this many ids are rebased on the host, larger ones on the device
 
 
 @functools.lru_cache(maxsize=64)
@@ -117,31 +118,31 @@ def _column_starts(cols) -> np.ndarray:
     return np.arange(cols, dtype=np.int64) * BLOCK_SIZE
 
 
-def _used_extremes(block_table, seq) -> tuple[int, int]:
-    """(largest, smallest) id of the columns each request uses, block_table[r, :cdiv(seq[r], 128)]
-    ((-1, 0) where none is used). A mask costs a pass over the table per operation; past
-    _MASKED_IDS the used segments are reduced in one pass each (3x faster at 64 x 1024 ids)."""
+def _largest_used_id(block_table, seq) -> int:
+    """The largest id of the columns each request uses, block_table[r, :cdiv(seq[r], 128)], read
+    as uint32 (-1 where none is used): one pass finds both checks' answer, since a negative id
+    reads as 2**31 or more. A mask costs a pass over the table per operation; past _MASKED_IDS the
+    used segments are reduced in one pass (3x faster at 64 x 1024 ids)."""
     reqs, cols = block_table.shape
     if block_table.size <= _MASKED_IDS:
         ids = block_table[_column_starts(cols) < seq[:, None]]
-        return (int(_max(ids)), int(_min(ids))) if ids.size else (-1, 0)
+        return int(_max(ids.view(np.uint32))) if ids.size else -1
     need = (seq + (BLOCK_SIZE - 1)) >> 7  # cdiv(seq_len, 128)
     used = need > 0
     if not used.any():
-        return -1, 0
+        return -1
     # reduceat over [r * cols, r * cols + need[r]] for every request but the last: the used
     # segments are the even ones (an unused one between them); the last runs from the last
     # request's first column to the table's end (an end reduceat cannot take as an index), so its
     # used columns are reduced on their own
-    flat = block_table.reshape(-1)
+    flat = block_table.reshape(-1).view(np.uint32)
     spans = np.empty(2 * reqs - 1, np.int64)
     spans[0::2] = np.arange(reqs) * cols
     spans[1::2] = spans[0:-1:2] + need[:-1]
-    highs, lows = np.maximum.reduceat(flat, spans)[0::2], np.minimum.reduceat(flat, spans)[0::2]
+    highs = np.maximum.reduceat(flat, spans)[0::2]
     if need[-1] > 0:
-        last = flat[spans[-1]:spans[-1] + need[-1]]
-        highs[-1], lows[-1] = last.max(), last.min()
-    return int(highs[used].max()), int(lows[used].min())
+        highs[-1] = _max(flat[spans[-1]:spans[-1] + need[-1]])
+    return int(_max(highs[used]))
 
 
 def _write_query_tiles(out, starts, lens) -> int:
@@ -463,8 +464,8 @@ class MetadataBuilder:
             r = _first(need > cols)
             raise IndexError(f"block_table: expected at least cdiv(seq_len, 128) = {need[r]} columns for request {r} "
                              f"(seq_len {seq[r]}), got {cols} columns")
-        max_block, min_block = _used_extremes(block_table, seq)
-        if min_block < 0:
+        max_block = _largest_used_id(block_table, seq)
+        if max_block >= 1 << 31:  # a negative id
             used = _column_starts(cols) < seq[:, None]
             r, c = (int(i) for i in np.argwhere(used & (block_table < 0))[0])
             raise IndexError(f"block_table: expected a cache block id >= 0 for every block of a request's context, "
@@ -561,8 +562,11 @@ class MetadataBuilder:
         max_block, max_slot = self._check_ids(inputs.block_table, seq, host_slots, longest)
 
         layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
+        # the page-16 tables from the block table on the device where the host has only its used
+        # columns, or where a long table would cost the host more than two torch ops
+        tables_on_device = inputs.trimmed or b * cols > _HOST_REBASE_IDS
         count, num_tiles = self._derive(layout, inputs.block_table, host_slots, prefill_qlens, computed[num_decodes:],
-                                        seq, stream, inputs.trimmed)
+                                        seq, stream, tables_on_device)
         if self.gpu_writer:
             token_index, insert_slots = layout.token_index, layout.slots  # the GPU writer skips slots < 0
         else:  # the portable writer takes the written tokens only, after the layout's derived values
@@ -573,7 +577,7 @@ class MetadataBuilder:
             out[lo:lo + m], out[hi:hi + m] = keep, host_slots[keep]
             count = hi + m
             token_index, insert_slots = self._derived[lo:lo + m], self._derived[hi:hi + m]
-        if not inputs.trimmed:
+        if not tables_on_device:
             self._copy_back(layout, stream, 0, count)
         else:  # all but the tables, which the device rebases from the block table where it is
             self._copy_back(layout, stream, layout.at["page16_slots"], layout.at["bt_prefill"])
@@ -629,19 +633,20 @@ class MetadataBuilder:
             inputs.host_part.copy_(inputs.to_host)
         return inputs
 
-    def _derive(self, layout, block_table, slots, qlens, computed, seq, stream, trimmed) -> tuple[int, int]:
+    def _derive(self, layout, block_table, slots, qlens, computed, seq, stream, tables_on_device) -> tuple[int, int]:
         """Write the derived values into the host side of the derived buffer (once the last
         step's copy of it has left): the page-16 block table and slots, the slots, for prefills
         cu_seqlens_q, context_lens, query_req_id and query_abs_pos, every token's request and
         position (decode rows: seq_len - L + t % L, reference.decode_token_positions; a padded
         request's are below 0), seq_lens and the prefills' rows of it and of both block tables;
         with prefills the query tiles. qlens, computed: the prefills'. block_table: the used
-        columns only where `trimmed` (the whole-width tables are then _rebase_on_device's).
+        columns only where trimmed. With tables_on_device the page-16 tables and the prefills'
+        block table are _rebase_on_device's, not written here.
         Returns (their count, the query tiles' count)."""
         if self._copy_stream is not None and self._copy_stream != stream:
             torch.cuda.synchronize(self.device)  # the last copy back went on another stream: let it finish
         out, nd = layout.host, layout.decode_tokens
-        if not trimmed:  # reference.rebase_block_table_to_page16
+        if not tables_on_device:  # reference.rebase_block_table_to_page16
             np.multiply(block_table.reshape(-1), 2, out=out["page16"])
         out["seq"][:] = seq
         # reference.rebase_slots_to_page16: slot + its block's first slot (block * 128), < 0 kept
@@ -656,7 +661,7 @@ class MetadataBuilder:
         if not layout.num_prefills:
             return layout.n_derived, 0
         num_decodes = seq.shape[0] - layout.num_prefills
-        if not trimmed:  # the prefills' rows again, at their own start
+        if not tables_on_device:  # the prefills' rows again, at their own start
             m = block_table.size
             out["page16_prefill"][:] = out["page16"][m - out["page16_prefill"].shape[0]:]
             out["bt_prefill"][:] = block_table[num_decodes:].reshape(-1)
