@@ -2,6 +2,7 @@
 bad input of the interface."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -242,6 +243,33 @@ def test_a_table_past_the_host_rebase_bound_is_rebased_by_torch_ops():
         assert torch.equal(md.decode.page16_block_table, page16[:2]), base
         assert torch.equal(md.prefill.page16_block_table, page16[2:]), base
         assert torch.equal(md.prefill.block_table, bt[2:]), base
+
+
+@pytest.mark.parametrize("b, cols, n_slots, slot_bytes, used", [
+    (1, 1, 0, 0, 1), (3, 8, 7, 8, 8), (4, 8, 5, 8, 2), (64, 32, 64, 4, 32), (2, 5, 3, 4, 0), (2, 5, 3, 8, 5)])
+def test_the_driver_copies_land_in_disjoint_aligned_views_inside_the_host_buffer(b, cols, n_slots, slot_bytes, used):
+    """Where a CUDA builder's driver copies write (`_CopiedInputs`; the copies themselves run on a
+    GPU only): each target inside a host buffer of `size` values, no two overlapping, an int64
+    slot 8-byte aligned, and each view the checks read at its copy's address, in its dtype and shape."""
+    from msa_iree.runtime.metadata import _CopiedInputs
+
+    builder = type("Buffers", (), {})()
+    builder._host_inputs = torch.zeros(_CopiedInputs.size(b, cols, n_slots, slot_bytes), dtype=torch.int32)
+    builder._inputs = torch.zeros(b * cols, dtype=torch.int32)
+    inputs = _CopiedInputs(builder, b, cols, n_slots, slot_bytes, used)
+    base, end = builder._host_inputs.data_ptr(), builder._host_inputs.data_ptr() + 4 * builder._host_inputs.numel()
+    targets = sorted([(inputs.qsl_at, 4 * (b + 1)), (inputs.seq_at, 4 * b), (inputs.computed_at, 4 * b),
+                      (inputs.slots_at, n_slots * slot_bytes), (inputs.table_at, 4 * b * used)])
+    assert base <= targets[0][0] and targets[-1][0] + targets[-1][1] <= end
+    for (at, n), (next_at, _) in zip(targets, targets[1:]):
+        assert at + n <= next_at, targets
+    assert (inputs.slots_at - base) % 8 == 0 or slot_bytes != 8
+    assert inputs.small.ctypes.data == inputs.qsl_at and inputs.small.shape == (3 * b + 1,)
+    assert inputs.slots.shape == (n_slots,) and (not n_slots or inputs.slots.ctypes.data == inputs.slots_at)
+    assert inputs.slots.dtype == (np.int64 if slot_bytes == 8 else np.int32)
+    assert inputs.block_table.shape == (b, used) and (not used or inputs.block_table.ctypes.data == inputs.table_at)
+    assert (inputs.trimmed, inputs.row_bytes, inputs.pitch, inputs.table_bytes) == (used < cols, 4 * used, 4 * cols,
+                                                                                     4 * b * cols)
 
 
 def test_a_step_of_the_same_shape_lands_at_the_same_addresses():

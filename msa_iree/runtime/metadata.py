@@ -219,7 +219,7 @@ class _CopiedInputs:
 
     def __init__(self, builder, b, cols, n_slots, slot_bytes, used):
         self.trimmed = used < cols
-        at_slots = 3 * b + 2 - (3 * b + 1) % 2  # int32 elements: an int64 slot starts 8-byte aligned
+        at_slots = (3 * b + 2) // 2 * 2  # int32 elements, even: an int64 slot starts 8-byte aligned
         slot_words = n_slots * slot_bytes // 4
         at_table = at_slots + slot_words
         host = builder._host_inputs.numpy()
