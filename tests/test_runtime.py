@@ -316,7 +316,8 @@ def test_a_step_of_the_same_shape_lands_at_the_same_addresses():
 def test_the_builder_tiles_a_steps_queries_by_request():
     """MsaMetadata.query_tiles (the GPU indexer's tiled launch): each request's tokens in tiles of
     64 from its first, the last one shorter; none for a request of no tokens; a decode-only step
-    has none. Two decodes of L = 2, then prefills of 1, 7, 8, 9, 0 and 70 tokens."""
+    has none. Two decodes of L = 2, then prefills of 1, 7, 8, 9, 0 and 70 tokens; two decodes of
+    L = 70 (two tiles each) and a prefill."""
     from msa_iree.runtime import MetadataBuilder
 
     q_lens = torch.tensor([2, 2, 1, 7, 8, 9, 0, 70], dtype=torch.int32)
@@ -331,6 +332,12 @@ def test_the_builder_tiles_a_steps_queries_by_request():
     for a, b in zip(first, first[1:]):
         assert 0 < b - a <= 64 and md.token_req_id[a:b].unique().numel() == 1
     assert builder.build(table[:2], computed[:2] + 2, qsl[:3], computed[:2], 2, 2).query_tiles is None
+    # decodes of more tokens than a tile (L = 70: two tiles each), then a prefill of 5 tokens
+    long = builder.build(table[:3], torch.tensor([100, 200, 5], dtype=torch.int32),
+                         torch.tensor([0, 70, 140, 145], dtype=torch.int32), torch.tensor([30, 130, 0], dtype=torch.int32),
+                         70, 2)
+    assert long.query_tiles.tolist() == [0, 64, 70, 134, 140]
+    assert long.token_abs_pos[138:].tolist() == [198, 199, 0, 1, 2, 3, 4]
 
 
 def test_on_demand_compilation_says_so_only_when_it_compiles(tmp_path, monkeypatch):

@@ -272,6 +272,10 @@ class _StepLayout:
         # the decode rows' requests (t // L) and their positions' offsets from seq_len (t % L - L)
         self.decode_req = np.arange(nd * L, dtype=np.int32) // L
         self.decode_offset = np.arange(nd * L, dtype=np.int32) % L - L
+        # with prefills: their tokens' index among them, and where L fits a query tile, the decode
+        # requests' tiles (one each, at its first token)
+        self.prefill_token_index = np.arange(n_prefill)
+        self.decode_tiles = np.arange(nd, dtype=np.int32) * L if num_prefills and L <= QUERY_TILE else None
         page16 = views[0].view(b, cols)
         self.page16, self.page16_slots, self.slots = page16, views[1], views[2]
         self.prefill_views, self.tiles = (views[3:7], views[7]) if num_prefills else ((), None)
@@ -673,13 +677,17 @@ class MetadataBuilder:
         out["ctx"][:] = computed
         req = np.repeat(np.arange(qlens.shape[0]), qlens)  # reference.query_token_positions
         out["qreq"][:] = req
-        qpos = out["qpos"]
-        qpos[:] = computed[req] + np.arange(req.shape[0]) - cu[req]
-        req_of[nd:] = req + num_decodes
+        qpos = out["qpos"]  # a request's k-th token at computed + k: token t at t + (computed - its first token)
+        np.add(np.repeat(computed - cu[:-1], qlens), layout.prefill_token_index, out=qpos)
+        np.add(req, num_decodes, out=req_of[nd:])
         pos_of[nd:] = qpos
+        tiles = out["tiles"]
+        if layout.decode_tiles is not None:  # a decode request's L tokens are one tile
+            tiles[:num_decodes] = layout.decode_tiles
+            return layout.n_derived, num_decodes + _write_query_tiles(tiles[num_decodes:], nd + cu[:-1], qlens)
         starts = np.concatenate([np.arange(num_decodes) * layout.L, nd + cu[:-1]])
         lens = np.concatenate([np.full(num_decodes, layout.L), qlens])
-        return layout.n_derived, _write_query_tiles(out["tiles"], starts, lens)
+        return layout.n_derived, _write_query_tiles(tiles, starts, lens)
 
     def _copy_back(self, layout, stream, first, end):
         """The derived buffer's values [first, end) to the device (a GPU's: asynchronously on
