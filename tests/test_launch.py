@@ -434,3 +434,14 @@ def test_an_operand_off_the_binding_alignment_is_refused_by_name(build):
     with pytest.raises(ValueError, match="expected operand at address index 1 at a 16-byte aligned address"):
         bound(77, ops[0].data_ptr(), ops[3].data_ptr() + 4, ops[9].data_ptr())
     assert not driver.launched
+
+
+def test_the_2d_copy_descriptor_has_cuda_hs_layout():
+    """_Memcpy2D is CUDA_MEMCPY2D as cuda.h lays it out on a 64-bit host (sixteen 8-byte slots,
+    each CUmemorytype int padded to 8): the driver reads the fields at these offsets."""
+    from msa_iree.runtime.cuda_launch import _Memcpy2D
+
+    names = ["srcXInBytes", "srcY", "srcMemoryType", "srcHost", "srcDevice", "srcArray", "srcPitch", "dstXInBytes",
+             "dstY", "dstMemoryType", "dstHost", "dstDevice", "dstArray", "dstPitch", "WidthInBytes", "Height"]
+    assert ctypes.sizeof(_Memcpy2D) == 128
+    assert [getattr(_Memcpy2D, n).offset for n in names] == [8 * i for i in range(16)]

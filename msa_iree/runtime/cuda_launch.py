@@ -13,7 +13,8 @@ returns once the kernels are queued, ordered with torch's work like any torch op
 
 CUDA only (gfx942: runtime/hip_launch.py); the plan's interpreter is runtime/launch_plan.py. The
 GPU tests compare every stream-launched kernel with IREE's own call of it, byte for byte. Not
-thread-safe: one `StreamKernel` reuses its argument buffers.
+thread-safe: one `StreamKernel` reuses its argument buffers. `CudaDriver` also makes the
+stream-ordered copies the metadata builder moves a step's inputs and results with.
 """
 from __future__ import annotations
 
