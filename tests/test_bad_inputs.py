@@ -7,7 +7,7 @@ import torch
 from msa_iree import reference as R
 from msa_iree.layout import allocate_kv_cache, pack_kv_cache
 from msa_iree.runtime import MetadataBuilder, SparseAttention, insert_kv
-from msa_iree.runtime.metadata import _MASKED_IDS, _largest_used_id
+from msa_iree.runtime.metadata import _MASKED_IDS, _largest_used_id, used_id_extremes
 from tolerances import assert_attend_close
 
 BF16 = torch.bfloat16
@@ -110,6 +110,36 @@ def test_a_long_tables_used_ids_are_reduced_over_each_requests_columns_only(reqs
             if ids.size and ids.min() < 0:
                 expected = 2 ** 32 + int(ids[ids < 0].max())  # the largest negative id, as uint32
             assert _largest_used_id(bt, seq) == expected, (cols, need)
+
+
+def test_the_device_checks_extremes_cover_each_requests_used_columns_only():
+    """used_id_extremes (the torch ops a CUDA builder runs in a graph on a long table) against
+    numpy over the used columns: a hand-worked table first (a row crossing into its second block
+    at seq_len 129, a row of exactly one block, an empty row whose ids are all negative), then
+    seeded tables whose rows use no, some or all columns, the extreme int32 values past each
+    context, and in half of them a negative id inside one."""
+    bt = torch.tensor([[7, 9, -1], [4, -5, -5], [-9, -9, -9]], dtype=torch.int32)
+    out = torch.full((2,), 99, dtype=torch.int32)
+    starts = torch.arange(3, dtype=torch.int32) * 128
+    used_id_extremes(bt, torch.tensor([129, 128, 0], dtype=torch.int32), starts, out)
+    assert out.tolist() == [0, 9]  # the unused columns count as 0
+    used_id_extremes(bt, torch.tensor([1, 256, 0], dtype=torch.int32), starts, out)
+    assert out.tolist() == [-5, 7]
+    rng = np.random.default_rng(11)
+    for reqs, cols in ((1, 5), (4, 33), (9, 600)):
+        for trial in range(6):
+            table = rng.integers(0, 10 ** 6, (reqs, cols)).astype(np.int32)
+            need = rng.choice([0, 1, 2, cols - 1, cols], reqs)
+            seq = np.where(need > 0, need * 128 - rng.integers(0, 128, reqs), 0).astype(np.int32)
+            unused = np.arange(cols) >= need[:, None]
+            table[unused] = rng.choice([np.iinfo(np.int32).max, np.iinfo(np.int32).min, -1], unused.sum())
+            if trial % 2 and need.any():
+                r = int(np.flatnonzero(need)[0])
+                table[r, rng.integers(0, need[r])] = -3
+            ids = np.concatenate([table[~unused], [0]])
+            used_id_extremes(torch.from_numpy(table), torch.from_numpy(seq),
+                             torch.arange(cols, dtype=torch.int32) * 128, out)
+            assert out.tolist() == [int(ids.min()), int(ids.max())], (reqs, cols, need)
 
 
 def test_a_block_id_past_the_cache_is_refused_by_the_layer(layer, host_kernels):

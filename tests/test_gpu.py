@@ -289,7 +289,9 @@ def test_the_builder_on_cuda_gives_the_hosts_metadata(cuda_kernels, writer, bloc
     a padded batch, spec decode, a mixed step in a table wider than max_seq_len (its used columns
     copied as rows), without slots, and the same shape again with new values; for the GPU's KV
     writer and the portable one (its rows after the rest); in a table of 48 columns and in one
-    past _HOST_REBASE_IDS (the page-16 tables rebased by torch ops)."""
+    past _HOST_REBASE_IDS (the page-16 tables rebased by torch ops) whose decode steps of four
+    requests are past _HOST_CHECK_IDS (checked and rebased by the device's graph), one of them
+    the first step past max_num_tokens (the derived buffer grown after the graph ran)."""
     from msa_iree.runtime import MetadataBuilder
 
     gen = torch.Generator().manual_seed(5)
@@ -309,6 +311,7 @@ def test_the_builder_on_cuda_gives_the_hosts_metadata(cuda_kernels, writer, bloc
     cases = [  # (qlens, seq_lens, L, num_decodes, keywords, step options)
         ([1, 1, 1, 1], [300, 129, 128, 1], 1, 4, {}, {}),
         ([1, 1, 1, 1], [5000, 17, 1024, 2], 1, 4, {}, {}),   # the same shape, new values
+        ([1, 1, 80, 20], [300, 129, 1000, 20], 1, 2, {}, {}),  # past max_num_tokens (64) for the first time
         ([1, 1, 1, 1], [300, 129, 128, 1], 1, 4, {}, {"slot_dtype": torch.int64}),
         ([1, 1, 0, 0], [300, 129, 0, 0], 1, 4, {"num_actual_tokens": 4}, {}),
         ([4, 4, 4], [300, 131, 4], 4, 3, {}, {"slot_dtype": torch.int64}),
@@ -334,6 +337,39 @@ def test_the_builder_on_cuda_gives_the_hosts_metadata(cuda_kernels, writer, bloc
                 assert torch.equal(got[name], value), (i, name)
             else:
                 assert got[name] == value, (i, name)
+
+
+@pytest.mark.parametrize("cols", [48, 4608])
+def test_the_builder_on_cuda_refuses_the_ids_the_host_refuses(cuda_kernels, cols):
+    """A block id below 0 or past num_cache_blocks in a column a request uses is refused by the
+    builder on CUDA with the host builder's error, in a table checked on the host (48 columns)
+    and in one checked on the device (4 x 4608 ids, past _HOST_CHECK_IDS); the same ids past a
+    request's context are not read (the step builds)."""
+    from msa_iree.runtime import MetadataBuilder
+    from msa_iree.runtime.metadata import _HOST_CHECK_IDS
+
+    assert (4 * cols > _HOST_CHECK_IDS) == (cols == 4608)
+    blocks = 20000
+    seq = torch.tensor([300, 129, 5000, 1], dtype=torch.int32)
+    qsl = torch.arange(5, dtype=torch.int32)
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(3))[:4 * cols].view(4, cols).int()
+    cases = [((2, 39), -1), ((1, 1), -7), ((0, 2), blocks), ((3, 0), blocks + 5),  # used: refused
+             ((1, 2), -1), ((0, 3), blocks)]                                      # past the context: read by no one
+    for (r, c), bad in cases:
+        t = table.clone()
+        t[r, c] = bad
+        builders = [MetadataBuilder(8, cols * 128, num_cache_blocks=blocks, kernels=cuda_kernels, device=d)
+                    for d in ("cpu", "cuda")]
+        args = [(t.to(d), seq.to(d), qsl.to(d), (seq - 1).to(d), 1, 4) for d in ("cpu", "cuda")]
+        try:
+            want = builders[0].build(*args[0]).max_block_id
+        except IndexError as e:
+            with pytest.raises(IndexError) as got:
+                builders[1].build(*args[1])
+            assert str(got.value) == str(e), ((r, c), bad)
+        else:
+            assert c >= (int(seq[r]) + 127) // 128, ((r, c), bad)  # the host refuses every used one
+            assert builders[1].build(*args[1]).max_block_id == want
 
 
 @pytest.mark.parametrize("kv, qd, layout, h, smode", gpu_cases.GPU_SERVING_CASES)

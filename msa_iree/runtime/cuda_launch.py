@@ -14,7 +14,8 @@ returns once the kernels are queued, ordered with torch's work like any torch op
 CUDA only (gfx942: runtime/hip_launch.py); the plan's interpreter is runtime/launch_plan.py. The
 GPU tests compare every stream-launched kernel with IREE's own call of it, byte for byte. Not
 thread-safe: one `StreamKernel` reuses its argument buffers. `CudaDriver` also makes the
-stream-ordered copies the metadata builder moves a step's inputs and results with.
+stream-ordered copies the metadata builder moves a step's inputs and results with, and launches
+the graph that checks a long block table on the device.
 """
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ class CudaDriver:
                 getattr(lib, name).argtypes = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
             lib.cuMemcpy2DAsync_v2.argtypes = (ctypes.POINTER(_Memcpy2D), ctypes.c_void_p)
             lib.cuStreamSynchronize.argtypes = (ctypes.c_void_p,)
+            lib.cuGraphLaunch.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
         self.lib = CudaDriver._lib
 
     def check(self, rc: int, what: str):
@@ -171,6 +173,11 @@ class CudaDriver:
 
     def synchronize(self, stream: int):
         self.check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def launch_graph(self, graph_exec: int, stream: int):
+        """An instantiated CUDA graph (a cudaGraphExec_t, as torch's CUDAGraph.raw_cuda_graph_exec
+        gives it) on `stream`."""
+        self.check(self.lib.cuGraphLaunch(graph_exec, stream), "cuGraphLaunch")
 
     def allow_shared(self, fn, nbytes: int):
         """Let `fn` launch with `nbytes` of dynamic shared memory: past 48 KiB a kernel must opt in

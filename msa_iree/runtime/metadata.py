@@ -110,6 +110,7 @@ def _first(mask) -> int | None:
 
 _MASKED_IDS = 1 << 14  # block tables up to this many ids are reduced through a mask, larger ones by segments
 _HOST_REBASE_IDS = 1 << 14  # block tables up to this many ids are rebased on the host, larger ones on the device
+_HOST_CHECK_IDS = 1 << 14  # up to this many used ids are checked on the host; more on the device (CUDA)
 
 
 @functools.lru_cache(maxsize=64)
@@ -143,6 +144,61 @@ def _largest_used_id(block_table, seq) -> int:
     if need[-1] > 0:
         highs[-1] = _max(flat[spans[-1]:spans[-1] + need[-1]])
     return int(_max(highs[used]))
+
+
+def used_id_extremes(block_table, seq_lens, column_starts, out):
+    """The smallest and largest id of the columns each request uses, block_table[r, :cdiv(seq_lens[r],
+    128)], into out[0] and out[1], unused columns counting as 0 (so no used id is negative where
+    the smallest is >= 0, and the largest is right where any column is used). block_table [reqs,
+    cols] int32, seq_lens [reqs] int32, column_starts [cols] int32 (each column's first position),
+    out [2] int32; torch ops, on the device that holds them: what the device checks of a long
+    block table run (_DeviceCheck), and on the host what the tests compare them with."""
+    used = torch.lt(column_starts, seq_lens[:, None])
+    torch.aminmax(torch.where(used, block_table, 0), out=(out[0], out[1]))
+
+
+class _DeviceCheck:
+    """The device's side of a long block table's step (CUDA, one per step shape (reqs, cols)): a
+    CUDA graph that finds the used ids' extremes (used_id_extremes) and writes the page-16 table
+    (block table * 2), so that the table never crosses to the host. One graph launch costs the
+    host less than the ops' launches, and the table's transfer and its reduction on the host
+    cost more than both from about _HOST_CHECK_IDS used ids on. It reads the block table where
+    the kernels do (the input buffer's prefix) and the seq_lens from a copy past it, and writes
+    the extremes after that: [block table | extremes (2) | seq_lens] in the input buffer."""
+
+    def __init__(self, builder, b, cols):
+        device = builder.device
+        inputs = builder._inputs
+        self.block_table = inputs[:b * cols].view(b, cols)
+        self.extremes = inputs[b * cols:b * cols + 2]
+        self.seq_lens = inputs[b * cols + 2:b * cols + 2 + b]
+        self.page16 = builder._derived[:b * cols].view(b, cols)  # every layout's first tensor
+        self.column_starts = torch.arange(cols, dtype=torch.int32, device=device) * BLOCK_SIZE
+        self.extremes_at, self.seq_lens_at = self.extremes.data_ptr(), self.seq_lens.data_ptr()
+        self.graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._run()  # once outside the capture: anything the ops set up on first use
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._run()
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(side)
+        raw = getattr(self.graph, "raw_cuda_graph_exec", None)  # torch >= 2.8
+        self.graph_exec = raw() if raw is not None else None
+
+    def launch(self, driver, stream):
+        """On `stream`, the current one (torch's replay, where torch does not give the graph's handle)."""
+        if self.graph_exec is not None:
+            driver.launch_graph(self.graph_exec, stream)
+        else:
+            self.graph.replay()
+
+    def _run(self):
+        used_id_extremes(self.block_table, self.seq_lens, self.column_starts, self.extremes)
+        torch.mul(self.block_table, 2, out=self.page16)
 
 
 def _write_query_tiles(out, starts, lens) -> int:
@@ -213,7 +269,8 @@ class _CopiedInputs:
     """Where the inputs of one step shape land in the pinned host buffer when the driver copies
     them from the caller's tensors (CUDA; int32 qsl, seq_lens and computed): [qsl | seq_lens |
     computed | slots in their own dtype (vLLM's are int64) | the block table's first `used`
-    columns], packed, each copy's host address beside it. The kernels' block table is the input
+    columns, or the used ids' extremes where the device checks them], packed, each copy's host
+    address beside it. The kernels' block table is the input
     buffer's prefix, copied there on the device. The checks read it through the views an
     _InputLayout has (small, slots, block_table)."""
 
@@ -226,6 +283,7 @@ class _CopiedInputs:
         self.small = host[:3 * b + 1]
         self.slots = host[at_slots:at_table].view(np.int64 if slot_bytes == 8 else np.int32)
         self.block_table = host[at_table:at_table + b * used].reshape(b, used)
+        self.extremes = host[at_table:at_table + 2]  # where the table checked on the device is not
         base = builder._host_inputs.data_ptr()
         self.qsl_at, self.seq_at, self.computed_at = base, base + 4 * (b + 1), base + 4 * (2 * b + 1)
         self.slots_at, self.table_at = base + 4 * at_slots, base + 4 * at_table
@@ -312,7 +370,9 @@ class MetadataBuilder:
     for int64 query_start_loc, seq_lens or num_computed_tokens) the inputs are concatenated into
     one device buffer first and cross in one transfer. A block table wider than the step's
     max_seq_len is rebased on the device instead (two torch ops), so that only its used columns
-    cross to the host.
+    cross to the host. On CUDA a step of more than _HOST_CHECK_IDS used ids keeps its table on the
+    device altogether: one CUDA graph (captured once per step shape) finds the used ids' smallest
+    and largest, which cross to the host with the other inputs, and writes the page-16 table.
     """
 
     _LAYOUTS = 16  # step shapes whose views are kept (a decode server repeats a few)
@@ -331,6 +391,7 @@ class MetadataBuilder:
         self._decode_qsl = {}  # (reqs, L) -> a decode step's query_start_loc
         self._copy_stream = None  # on a GPU: the stream of the last copy of the derived values to the device
         self._driver = _copy_driver(self.device)
+        self._checks = {}  # (reqs, cols) -> _DeviceCheck (CUDA)
         tokens = max_num_tokens or max_num_seqs * 8
         self._allocate_inputs(_InputLayout.size(max_num_seqs, self.max_cols, tokens))
         self._allocate_derived(tokens)
@@ -347,6 +408,7 @@ class MetadataBuilder:
         self._inputs, self._host_inputs = self._buffer(n)
         self._stages = {}  # (reqs, cols, slot entries, used columns) -> _InputLayout
         self._layouts.clear()
+        self._checks.clear()
 
     def _input_layout(self, b, cols, n_slots, used) -> _InputLayout:
         layout = self._stages.get((b, cols, n_slots, used))
@@ -367,10 +429,20 @@ class MetadataBuilder:
         return layout
 
     def _await_copies(self):
-        """Before a buffer is given up: the copies the driver queued from its host twin are done
-        (torch's pinned allocator knows nothing of them, and would hand the memory out again)."""
-        if self._copy_stream is not None:
+        """Before a buffer is given up: the copies the driver queued from its host twin, and the
+        device checks' graphs reading it, are done (torch's allocators know nothing of them, and
+        would hand the memory out again)."""
+        if self._copy_stream is not None or self._checks:
             torch.cuda.synchronize(self.device)
+
+    def _device_check(self, b, cols) -> _DeviceCheck:
+        check = self._checks.get((b, cols))
+        if check is None:
+            if len(self._checks) >= self._LAYOUTS:
+                self._await_copies()
+                self._checks.pop(next(iter(self._checks)))
+            check = self._checks[(b, cols)] = _DeviceCheck(self, b, cols)
+        return check
 
     def _allocate_derived(self, tokens):
         self._await_copies()
@@ -380,6 +452,7 @@ class MetadataBuilder:
                                                          + tokens // QUERY_TILE + 17 * ALIGN)
         self._token_index = torch.arange(tokens, dtype=torch.int32, device=self.device)
         self._layouts.clear()
+        self._checks.clear()
 
     def _raw_stream(self) -> int:
         index = self.device.index
@@ -458,18 +531,23 @@ class MetadataBuilder:
             offsets = self._decode_qsl[(num_reqs, L)] = np.arange(num_reqs + 1, dtype=np.int64) * L
         return offsets
 
-    def _check_ids(self, block_table, seq, slots, longest):
+    def _check_ids(self, block_table, seq, slots, longest, extremes=None):
         """(max_block_id, max_slot) of the step (host values: block_table [reqs, cols] int32, the
         written slots), after checking that every block a request's context spans has a column
         and a block id >= 0 (and < num_cache_blocks), and every slot written is in range: what a
-        layer's attend and insert would otherwise clamp. longest: the largest seq_len (0: none)."""
+        layer's attend and insert would otherwise clamp. longest: the largest seq_len (0: none).
+        extremes: the used ids' (smallest, largest) where the device found them (the smallest >=
+        0; block_table is then not read)."""
         reqs, cols = block_table.shape
         if _cdiv(longest, BLOCK_SIZE) > cols:
             need = (seq + (BLOCK_SIZE - 1)) >> 7  # cdiv(seq_len, 128)
             r = _first(need > cols)
             raise IndexError(f"block_table: expected at least cdiv(seq_len, 128) = {need[r]} columns for request {r} "
                              f"(seq_len {seq[r]}), got {cols} columns")
-        max_block = _largest_used_id(block_table, seq)
+        if extremes is None:
+            max_block = _largest_used_id(block_table, seq)
+        else:  # (unused columns count as 0 there: the largest is right where any column is used)
+            max_block = int(extremes[1]) if longest else -1
         if max_block >= 1 << 31:  # a negative id
             used = _column_starts(cols) < seq[:, None]
             r, c = (int(i) for i in np.argwhere(used & (block_table < 0))[0])
@@ -550,8 +628,8 @@ class MetadataBuilder:
         used = cols if max_seq_len is None else min(cols, self._used_columns(max_seq_len))
         n_slots = 0 if slot_mapping is None else slot_mapping.shape[0]
         stream = self._raw_stream() if self._host_derived is not self._derived else None
-        inputs = self._inputs_to_host(block_table, seq_lens, query_start_loc, num_computed_tokens, slot_mapping,
-                                      n_slots, used, stream)
+        inputs, extremes = self._inputs_to_host(block_table, seq_lens, query_start_loc, num_computed_tokens,
+                                                slot_mapping, n_slots, used, stream)
         small = inputs.small.astype(np.int64)
         qsl, seq, computed = small[:b + 1], small[b + 1:2 * b + 1], small[2 * b + 1:]
         longest = int(_max(seq, initial=0))
@@ -564,7 +642,9 @@ class MetadataBuilder:
             r = _first(seq > max_seq_len)
             raise ValueError(f"max_seq_len: expected at least the step's longest seq_len, got {max_seq_len} "
                              f"(request {r}'s seq_len is {seq[r]})")
-        max_block, max_slot = self._check_ids(inputs.block_table, seq, host_slots, longest)
+        if extremes is not None and extremes[0] < 0:  # a negative id: found on the host, as in a short table
+            self._check_ids(block_table[:, :used].cpu().numpy(), seq, host_slots, longest)
+        max_block, max_slot = self._check_ids(inputs.block_table, seq, host_slots, longest, extremes)
 
         layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
         # the page-16 tables from the block table on the device where the host has only its used
@@ -587,7 +667,8 @@ class MetadataBuilder:
         else:  # all but the tables, which the device rebases from the block table where it is
             self._copy_back(layout, stream, layout.at["page16_slots"], layout.at["bt_prefill"])
             self._copy_back(layout, stream, layout.n_derived, count)  # the portable insert's rows, if any
-            self._rebase_on_device(layout)
+            # (a device check wrote the page-16 table, unless the derived buffer has grown since)
+            self._rebase_on_device(layout, page16=extremes is None or (b, cols) not in self._checks)
         return MsaMetadata(n, num_decodes, num_decode_tokens, b - num_decodes, n - num_decode_tokens, layout.decode,
                            layout.prefill, layout.slots, layout.page16_slots, token_index, insert_slots,
                            layout.block_table, layout.token_req_id, layout.token_abs_pos, max_block, max_slot,
@@ -599,7 +680,9 @@ class MetadataBuilder:
         computed on the builder's (current) device: the driver's copies straight from the
         caller's tensors (the used columns as one strided copy); else the inputs concatenated
         into the input buffer, from which one transfer brings what the host reads. Either way
-        the transfer waits for the stream's work, the last step's copy back included."""
+        the transfer waits for the stream's work, the last step's copy back included.
+        Returns (the input layout, the used ids' extremes or None): on CUDA, past _HOST_CHECK_IDS
+        used ids, the table stays on the device, which checks it (_DeviceCheck) and rebases it."""
         b, cols = block_table.shape
         driver = self._driver
         if (driver is not None and qsl.dtype == seq_lens.dtype == computed.dtype == torch.int32
@@ -615,15 +698,20 @@ class MetadataBuilder:
                 driver.copy_to_host(inputs.computed_at, computed.data_ptr(), 4 * b, stream)
             if n_slots:
                 driver.copy_to_host(inputs.slots_at, slot_mapping.data_ptr(), n_slots * slot_bytes, stream)
+            check = self._device_check(b, cols) if b * used > _HOST_CHECK_IDS else None
             if inputs.table_bytes:
-                if not inputs.trimmed:
+                if check is None and not inputs.trimmed:
                     driver.copy_to_host(inputs.table_at, block_table.data_ptr(), inputs.table_bytes, stream)
-                elif inputs.row_bytes:
+                elif check is None and inputs.row_bytes:
                     driver.copy_rows_to_host(inputs.table_at, block_table.data_ptr(), inputs.row_bytes, inputs.pitch,
                                              b, stream)
                 driver.copy_on_device(inputs.stage_at, block_table.data_ptr(), inputs.table_bytes, stream)
+            if check is not None:
+                driver.copy_on_device(check.seq_lens_at, seq_lens.data_ptr(), 4 * b, stream)
+                check.launch(driver, stream)
+                driver.copy_to_host(inputs.table_at, check.extremes_at, 8, stream)
             driver.synchronize(stream)
-            return inputs
+            return inputs, (None if check is None else inputs.extremes)
         inputs = self._input_layout(b, cols, n_slots, used)
         parts = [block_table.reshape(-1), qsl, seq_lens, computed]
         if slot_mapping is not None:
@@ -636,7 +724,7 @@ class MetadataBuilder:
             inputs.stage.copy_(torch.cat(parts))
         if self._host_inputs is not self._inputs:
             inputs.host_part.copy_(inputs.to_host)
-        return inputs
+        return inputs, None
 
     def _derive(self, layout, block_table, slots, qlens, computed, seq, stream, tables_on_device) -> tuple[int, int]:
         """Write the derived values into the host side of the derived buffer (once the last
@@ -704,10 +792,12 @@ class MetadataBuilder:
         self._copy_stream = stream
 
     @staticmethod
-    def _rebase_on_device(layout):
-        """The page-16 block table, and the prefills' rows of both tables, from the whole block
-        table where the kernels read it (the copy back leaves these out)."""
-        torch.mul(layout.block_table, 2, out=layout.page16)
+    def _rebase_on_device(layout, page16=True):
+        """The page-16 block table (unless a device check wrote it), and the prefills' rows of
+        both tables, from the whole block table where the kernels read it (the copy back leaves
+        these out)."""
+        if page16:
+            torch.mul(layout.block_table, 2, out=layout.page16)
         if layout.prefill is not None:
             rows = layout.block_table[-layout.num_prefills:]
             layout.prefill.block_table.copy_(rows)
