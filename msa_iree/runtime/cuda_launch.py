@@ -135,6 +135,8 @@ class CudaDriver:
             lib.cuMemcpy2DAsync_v2.argtypes = (ctypes.POINTER(_Memcpy2D), ctypes.c_void_p)
             lib.cuStreamSynchronize.argtypes = (ctypes.c_void_p,)
             lib.cuGraphLaunch.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+            lib.cuEventRecord.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+            lib.cuEventSynchronize.argtypes = (ctypes.c_void_p,)
         self.lib = CudaDriver._lib
 
     def check(self, rc: int, what: str):
@@ -174,6 +176,19 @@ class CudaDriver:
     def synchronize(self, stream: int):
         self.check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
+    def event(self) -> ctypes.c_void_p:
+        """A new event that records no time (CU_EVENT_DISABLE_TIMING), for record / wait."""
+        event = ctypes.c_void_p()
+        self.check(self.lib.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cuEventCreate")
+        return event
+
+    def record(self, event, stream: int):
+        self.check(self.lib.cuEventRecord(event, stream), "cuEventRecord")
+
+    def wait(self, event):
+        """Until the work queued before the event's record is done (the host waits)."""
+        self.check(self.lib.cuEventSynchronize(event), "cuEventSynchronize")
+
     def launch_graph(self, graph_exec: int, stream: int):
         """An instantiated CUDA graph (a cudaGraphExec_t, as torch's CUDAGraph.raw_cuda_graph_exec
         gives it) on `stream`."""
@@ -197,6 +212,7 @@ class _Memcpy2D(ctypes.Structure):  # CUDA_MEMCPY2D (cuda.h)
 
 _MEMORYTYPE_HOST, _MEMORYTYPE_DEVICE = 1, 2  # CUmemorytype (cuda.h)
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute (cuda.h)
+_EVENT_DISABLE_TIMING = 2  # CUevent_flags (cuda.h)
 SHARED_WITHOUT_OPT_IN = 48 * 1024   # dynamic shared memory any kernel may launch with
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import numpy as np
 import torch
@@ -392,6 +393,9 @@ class MetadataBuilder:
         self._copy_stream = None  # on a GPU: the stream of the last copy of the derived values to the device
         self._driver = _copy_driver(self.device)
         self._checks = {}  # (reqs, cols) -> _DeviceCheck (CUDA)
+        if self._driver is not None:  # recorded after the copies of what the host reads first
+            self._inputs_copied = self._driver.event()
+            weakref.finalize(self, self._driver.lib.cuEventDestroy_v2, self._inputs_copied)
         tokens = max_num_tokens or max_num_seqs * 8
         self._allocate_inputs(_InputLayout.size(max_num_seqs, self.max_cols, tokens))
         self._allocate_derived(tokens)
@@ -642,16 +646,19 @@ class MetadataBuilder:
             r = _first(seq > max_seq_len)
             raise ValueError(f"max_seq_len: expected at least the step's longest seq_len, got {max_seq_len} "
                              f"(request {r}'s seq_len is {seq[r]})")
-        if extremes is not None and extremes[0] < 0:  # a negative id: found on the host, as in a short table
-            self._check_ids(block_table[:, :used].cpu().numpy(), seq, host_slots, longest)
-        max_block, max_slot = self._check_ids(inputs.block_table, seq, host_slots, longest, extremes)
-
         layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
         # the page-16 tables from the block table on the device where the host has only its used
         # columns, or where a long table would cost the host more than two torch ops
         tables_on_device = inputs.trimmed or b * cols > _HOST_REBASE_IDS
         count, num_tiles = self._derive(layout, inputs.block_table, host_slots, prefill_qlens, computed[num_decodes:],
                                         seq, stream, tables_on_device)
+        # the ids checked once the step's values are derived (nothing reaches the device before
+        # the checks pass), so that a device check's graph runs while the host derives them
+        if extremes is not None:
+            self._driver.synchronize(stream)
+            if extremes[0] < 0:  # a negative id: found on the host, as in a short table
+                self._check_ids(block_table[:, :used].cpu().numpy(), seq, host_slots, longest)
+        max_block, max_slot = self._check_ids(inputs.block_table, seq, host_slots, longest, extremes)
         if self.gpu_writer:
             token_index, insert_slots = layout.token_index, layout.slots  # the GPU writer skips slots < 0
         else:  # the portable writer takes the written tokens only, after the layout's derived values
@@ -682,7 +689,8 @@ class MetadataBuilder:
         into the input buffer, from which one transfer brings what the host reads. Either way
         the transfer waits for the stream's work, the last step's copy back included.
         Returns (the input layout, the used ids' extremes or None): on CUDA, past _HOST_CHECK_IDS
-        used ids, the table stays on the device, which checks it (_DeviceCheck) and rebases it."""
+        used ids, the table stays on the device, which checks it (_DeviceCheck) and rebases it;
+        the extremes are there once the stream is synchronized, the rest on return."""
         b, cols = block_table.shape
         driver = self._driver
         if (driver is not None and qsl.dtype == seq_lens.dtype == computed.dtype == torch.int32
@@ -698,20 +706,26 @@ class MetadataBuilder:
                 driver.copy_to_host(inputs.computed_at, computed.data_ptr(), 4 * b, stream)
             if n_slots:
                 driver.copy_to_host(inputs.slots_at, slot_mapping.data_ptr(), n_slots * slot_bytes, stream)
-            check = self._device_check(b, cols) if b * used > _HOST_CHECK_IDS else None
-            if inputs.table_bytes:
-                if check is None and not inputs.trimmed:
-                    driver.copy_to_host(inputs.table_at, block_table.data_ptr(), inputs.table_bytes, stream)
-                elif check is None and inputs.row_bytes:
-                    driver.copy_rows_to_host(inputs.table_at, block_table.data_ptr(), inputs.row_bytes, inputs.pitch,
-                                             b, stream)
-                driver.copy_on_device(inputs.stage_at, block_table.data_ptr(), inputs.table_bytes, stream)
-            if check is not None:
-                driver.copy_on_device(check.seq_lens_at, seq_lens.data_ptr(), 4 * b, stream)
-                check.launch(driver, stream)
-                driver.copy_to_host(inputs.table_at, check.extremes_at, 8, stream)
-            driver.synchronize(stream)
-            return inputs, (None if check is None else inputs.extremes)
+            if b * used <= _HOST_CHECK_IDS:
+                if inputs.table_bytes:
+                    if not inputs.trimmed:
+                        driver.copy_to_host(inputs.table_at, block_table.data_ptr(), inputs.table_bytes, stream)
+                    elif inputs.row_bytes:
+                        driver.copy_rows_to_host(inputs.table_at, block_table.data_ptr(), inputs.row_bytes,
+                                                 inputs.pitch, b, stream)
+                    driver.copy_on_device(inputs.stage_at, block_table.data_ptr(), inputs.table_bytes, stream)
+                driver.synchronize(stream)
+                return inputs, None
+            # the host waits for the small inputs only; the extremes are read after the stream's
+            # synchronize (build), the graph running meanwhile
+            check = self._device_check(b, cols)
+            driver.record(self._inputs_copied, stream)
+            driver.copy_on_device(inputs.stage_at, block_table.data_ptr(), inputs.table_bytes, stream)
+            driver.copy_on_device(check.seq_lens_at, seq_lens.data_ptr(), 4 * b, stream)
+            check.launch(driver, stream)
+            driver.copy_to_host(inputs.table_at, check.extremes_at, 8, stream)
+            driver.wait(self._inputs_copied)
+            return inputs, inputs.extremes
         inputs = self._input_layout(b, cols, n_slots, used)
         parts = [block_table.reshape(-1), qsl, seq_lens, computed]
         if slot_mapping is not None:
