@@ -117,7 +117,8 @@ def test_the_device_checks_extremes_cover_each_requests_used_columns_only():
     numpy over the used columns: a hand-worked table first (a row crossing into its second block
     at seq_len 129, a row of exactly one block, an empty row whose ids are all negative), then
     seeded tables whose rows use no, some or all columns, the extreme int32 values past each
-    context, and in half of them a negative id inside one."""
+    context, and in half of them a negative id inside one; into given mask and value tensors
+    (holding stale values) in a third of them."""
     bt = torch.tensor([[7, 9, -1], [4, -5, -5], [-9, -9, -9]], dtype=torch.int32)
     out = torch.full((2,), 99, dtype=torch.int32)
     starts = torch.arange(3, dtype=torch.int32) * 128
@@ -137,8 +138,10 @@ def test_the_device_checks_extremes_cover_each_requests_used_columns_only():
                 r = int(np.flatnonzero(need)[0])
                 table[r, rng.integers(0, need[r])] = -3
             ids = np.concatenate([table[~unused], [0]])
+            scratch = (torch.ones(reqs, cols, dtype=torch.bool), torch.full((reqs, cols), 5, dtype=torch.int32)) \
+                if trial % 3 == 0 else (None, None)  # where the device's graph puts them
             used_id_extremes(torch.from_numpy(table), torch.from_numpy(seq),
-                             torch.arange(cols, dtype=torch.int32) * 128, out)
+                             torch.arange(cols, dtype=torch.int32) * 128, out, *scratch)
             assert out.tolist() == [int(ids.min()), int(ids.max())], (reqs, cols, need)
 
 

@@ -272,6 +272,32 @@ def test_the_driver_copies_land_in_disjoint_aligned_views_inside_the_host_buffer
                                                                                      4 * b * cols)
 
 
+@pytest.mark.parametrize("b, cols, n_slots, slot_bytes", [(1, 1, 0, 0), (5, 7, 3, 8), (64, 1024, 64, 8),
+                                                         (128, 1024, 4096, 4)])
+def test_a_device_checks_views_fit_the_builders_buffers(b, cols, n_slots, slot_bytes):
+    """Where a CUDA builder's device check of a long table (`_DeviceCheck`; its graph runs on a
+    GPU only) reads and writes: in a builder whose input buffer holds just the driver copies'
+    values (as an earlier step shape with many slots can leave it), the block table, extremes,
+    seq_lens and mask inside the input buffer, disjoint, in their dtypes and shapes, the table at
+    the buffer's start (where the kernels read it), the page-16 table at the derived buffer's."""
+    from msa_iree.runtime import MetadataBuilder
+    from msa_iree.runtime.metadata import _CopiedInputs, _DeviceCheck
+
+    builder = MetadataBuilder(max_num_seqs=b, max_model_len=cols * 128, max_num_tokens=1)
+    builder._allocate_inputs(_CopiedInputs.size(b, cols, n_slots, slot_bytes))
+    builder._copied_inputs(b, cols, n_slots, slot_bytes, cols)
+    views = _DeviceCheck.regions(builder._inputs, builder._derived, b, cols)
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in views[:4])
+    base = builder._inputs.data_ptr()
+    assert spans[0][0] == base == views[0].data_ptr()
+    assert spans[-1][1] <= base + 4 * builder._inputs.numel()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), spans
+    assert [(tuple(v.shape), v.dtype) for v in views] == [
+        ((b, cols), torch.int32), ((2,), torch.int32), ((b,), torch.int32), ((b, cols), torch.bool),
+        ((b, cols), torch.int32)]
+    assert views[4].data_ptr() == builder._derived.data_ptr()
+
+
 def test_a_step_of_the_same_shape_lands_at_the_same_addresses():
     """What a captured graph and a bound launch read: the next step's values (new tensors, same
     shapes) in the same memory; a mixed step (decodes, then a prefill). (The host's portable KV

@@ -147,15 +147,17 @@ def _largest_used_id(block_table, seq) -> int:
     return int(_max(highs[used]))
 
 
-def used_id_extremes(block_table, seq_lens, column_starts, out):
+def used_id_extremes(block_table, seq_lens, column_starts, out, used=None, values=None):
     """The smallest and largest id of the columns each request uses, block_table[r, :cdiv(seq_lens[r],
     128)], into out[0] and out[1], unused columns counting as 0 (so no used id is negative where
     the smallest is >= 0, and the largest is right where any column is used). block_table [reqs,
     cols] int32, seq_lens [reqs] int32, column_starts [cols] int32 (each column's first position),
-    out [2] int32; torch ops, on the device that holds them: what the device checks of a long
-    block table run (_DeviceCheck), and on the host what the tests compare them with."""
-    used = torch.lt(column_starts, seq_lens[:, None])
-    torch.aminmax(torch.where(used, block_table, 0), out=(out[0], out[1]))
+    out [2] int32; used [reqs, cols] bool and values [reqs, cols] int32: where the mask and the
+    masked ids go (new tensors if None). Torch ops, on the device that holds the tensors: what
+    the device checks of a long block table run (_DeviceCheck), and on the host what the tests
+    compare them with."""
+    used = torch.lt(column_starts, seq_lens[:, None], out=used)
+    torch.aminmax(torch.mul(used, block_table, out=values), out=(out[0], out[1]))
 
 
 class _DeviceCheck:
@@ -165,15 +167,14 @@ class _DeviceCheck:
     host less than the ops' launches, and the table's transfer and its reduction on the host
     cost more than both from about _HOST_CHECK_IDS used ids on. It reads the block table where
     the kernels do (the input buffer's prefix) and the seq_lens from a copy past it, and writes
-    the extremes after that: [block table | extremes (2) | seq_lens] in the input buffer."""
+    the extremes and the mask after that, [block table | extremes (2) | seq_lens | used mask
+    (bools)], in the input buffer; the masked ids go where the page-16 table then does. So the
+    graph holds no memory of its own but its reduction's."""
 
     def __init__(self, builder, b, cols):
         device = builder.device
-        inputs = builder._inputs
-        self.block_table = inputs[:b * cols].view(b, cols)
-        self.extremes = inputs[b * cols:b * cols + 2]
-        self.seq_lens = inputs[b * cols + 2:b * cols + 2 + b]
-        self.page16 = builder._derived[:b * cols].view(b, cols)  # every layout's first tensor
+        self.block_table, self.extremes, self.seq_lens, self.used, self.page16 = \
+            self.regions(builder._inputs, builder._derived, b, cols)
         self.column_starts = torch.arange(cols, dtype=torch.int32, device=device) * BLOCK_SIZE
         self.extremes_at, self.seq_lens_at = self.extremes.data_ptr(), self.seq_lens.data_ptr()
         self.graph = torch.cuda.CUDAGraph()
@@ -197,8 +198,21 @@ class _DeviceCheck:
         else:
             self.graph.replay()
 
+    @staticmethod
+    def size(b, cols):
+        """The input buffer's int32 values it uses."""
+        return b * cols + 2 + b + _cdiv(b * cols, 4)
+
+    @staticmethod
+    def regions(inputs, derived, b, cols):
+        """Its views of the builder's input buffer [block table | extremes | seq_lens | used mask]
+        and of the derived buffer's page-16 table (every step layout's first tensor)."""
+        at = b * cols
+        return (inputs[:at].view(b, cols), inputs[at:at + 2], inputs[at + 2:at + 2 + b],
+                inputs[at + 2 + b:].view(torch.bool)[:at].view(b, cols), derived[:at].view(b, cols))
+
     def _run(self):
-        used_id_extremes(self.block_table, self.seq_lens, self.column_starts, self.extremes)
+        used_id_extremes(self.block_table, self.seq_lens, self.column_starts, self.extremes, self.used, self.page16)
         torch.mul(self.block_table, 2, out=self.page16)
 
 
@@ -426,9 +440,9 @@ class MetadataBuilder:
         key = (b, cols, n_slots, used, slot_bytes)
         layout = self._stages.get(key)
         if layout is None:
-            if _CopiedInputs.size(b, cols, n_slots, slot_bytes) > self._inputs.shape[0]:
-                self._allocate_inputs(max(_CopiedInputs.size(b, cols, n_slots, slot_bytes),
-                                          _InputLayout.size(b, cols, n_slots)))
+            need = max(_CopiedInputs.size(b, cols, n_slots, slot_bytes), _DeviceCheck.size(b, cols))
+            if need > self._inputs.shape[0]:
+                self._allocate_inputs(max(need, _InputLayout.size(b, cols, n_slots)))
             layout = self._stages[key] = _CopiedInputs(self, b, cols, n_slots, slot_bytes, used)
         return layout
 
