@@ -285,9 +285,9 @@ class _CopiedInputs:
     them from the caller's tensors (CUDA; int32 qsl, seq_lens and computed): [qsl | seq_lens |
     computed | slots in their own dtype (vLLM's are int64) | the block table's first `used`
     columns, or the used ids' extremes where the device checks them], packed, each copy's host
-    address beside it. The kernels' block table is the input
-    buffer's prefix, copied there on the device. The checks read it through the views an
-    _InputLayout has (small, slots, block_table)."""
+    address beside it. The kernels' block table is the input buffer's prefix, copied there on
+    the device. The checks read it through the views an _InputLayout has (small, slots,
+    block_table)."""
 
     def __init__(self, builder, b, cols, n_slots, slot_bytes, used):
         self.trimmed = used < cols
