@@ -291,7 +291,8 @@ def test_the_builder_on_cuda_gives_the_hosts_metadata(cuda_kernels, writer, bloc
     writer and the portable one (its rows after the rest); in a table of 48 columns and in one
     past _HOST_REBASE_IDS (the page-16 tables rebased by torch ops) whose decode steps of four
     requests are past _HOST_CHECK_IDS (checked and rebased by the device's graph), one of them
-    the first step past max_num_tokens (the derived buffer grown after the graph ran)."""
+    the first step past max_num_tokens (the derived buffer grown after the graph ran), the last
+    through torch's replay of the graph (a torch that gives no graph handle)."""
     from msa_iree.runtime import MetadataBuilder
 
     gen = torch.Generator().manual_seed(5)
@@ -318,10 +319,17 @@ def test_the_builder_on_cuda_gives_the_hosts_metadata(cuda_kernels, writer, bloc
         ([1, 1, 200, 57], [300, 129, 1000, 57], 1, 2, {"max_seq_len": 1100}, {"slot_dtype": torch.int64}),
         ([1, 1, 200, 57], [300, 129, 1000, 57], 1, 2, {"max_seq_len": 1100}, {"ints": torch.int64}),
         ([1, 1, 1], [300, 129, 4096], 1, 3, {"max_seq_len": 4096, "no_slots": True}, {}),
+        "replay",  # the device checks' graphs from here on through torch's replay (no graph handle)
+        ([1, 1, 1, 1], [2000, 17, 1024, 5], 1, 4, {}, {}),
     ]
     on_cuda = MetadataBuilder(8, cols * 128, num_cache_blocks=blocks, kernels=kernels, device="cuda")
     on_host = MetadataBuilder(8, cols * 128, num_cache_blocks=blocks, kernels=kernels, device="cpu")
-    for i, (qlens, seq_lens, L, nd, kw, opts) in enumerate(cases):
+    for i, case in enumerate(cases):
+        if case == "replay":
+            for check in on_cuda._checks.values():
+                check.graph_exec = None
+            continue
+        qlens, seq_lens, L, nd, kw, opts = case
         kw = dict(kw)
         table, seq, qsl, computed, slots = step(qlens, seq_lens, **opts)
         if kw.pop("no_slots", False):
