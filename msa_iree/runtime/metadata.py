@@ -662,8 +662,8 @@ class MetadataBuilder:
                              f"(request {r}'s seq_len is {seq[r]})")
         layout = self._layout((b, cols, n_slots, n, num_decodes, decode_query_len))
         # the page-16 tables from the block table on the device where the host has only its used
-        # columns, or where a long table would cost the host more than two torch ops
-        tables_on_device = inputs.trimmed or b * cols > _HOST_REBASE_IDS
+        # columns (or none of them), or where a long table would cost the host more than two torch ops
+        tables_on_device = inputs.trimmed or b * cols > _HOST_REBASE_IDS or extremes is not None
         count, num_tiles = self._derive(layout, inputs.block_table, host_slots, prefill_qlens, computed[num_decodes:],
                                         seq, stream, tables_on_device)
         # the ids checked once the step's values are derived (nothing reaches the device before
