@@ -111,7 +111,7 @@ def _first(mask) -> int | None:
 
 _MASKED_IDS = 1 << 14  # block tables up to this many ids are reduced through a mask, larger ones by segments
 _HOST_REBASE_IDS = 1 << 14  # block tables up to this many ids are rebased on the host, larger ones on the device
-_HOST_CHECK_IDS = 1 << 11  # up to this many used ids are checked on the host; more on the device (CUDA)
+_HOST_CHECK_IDS = 1 << 14  # up to this many used ids are checked on the host; more on the device (CUDA)
 
 
 @functools.lru_cache(maxsize=64)
