@@ -3,11 +3,14 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_the_serving_step_example_runs_and_agrees_with_the_reference():
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "serving_step.py")], capture_output=True, text=True,
+@pytest.mark.parametrize("example", ["serving_step.py", "sparse_layer.py"])
+def test_the_example_runs_and_agrees_with_the_reference(example):
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / example)], capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert r.stdout.strip().endswith("OK")
