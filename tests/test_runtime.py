@@ -419,3 +419,52 @@ def test_a_step_past_the_builders_sizes_and_many_step_shapes_keep_their_values()
     again = builder.build(bt, torch.tensor([700, 501], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
                           torch.tensor([699, 500], dtype=torch.int32), 1, 1)
     assert again.prefill.query_abs_pos.tolist() == [500] and again.slot_mapping.tolist() == [-1, -1]
+
+
+def test_portable_calls_split_a_step_so_that_each_gathers_a_bounded_amount(host_kernels, monkeypatch):
+    """With a gather budget of 3 MiB (an attend row gathers 2 MiB, a top-k token 64 KiB a
+    column), the portable attend runs a call a prefill row and a call a decode request (its 4
+    rows together), and the indexer's top-k 12 tokens a call over a 4-column table: the step's
+    outputs are still the reference's."""
+    import collections
+
+    from msa_iree.ops import portable
+    from msa_iree.runtime import Indexer
+
+    monkeypatch.setattr(portable, "GATHER_BYTES_PER_CALL", 3 << 20)
+    calls = collections.Counter()
+    run = host_kernels.run
+    monkeypatch.setattr(host_kernels, "run", lambda spec, *a, **kw: calls.update([spec.kernel]) or run(spec, *a, **kw))
+
+    gen = torch.Generator().manual_seed(31)
+    scales = torch.tensor([0.05]), torch.tensor([0.04])
+    kc, vc = allocate_kv_cache(12, 1, FNUZ, "interleaved", fill=0)
+    index_cache = torch.randn(12, 128, 128, generator=gen).to(BF16)
+    table = torch.randperm(12, generator=gen)[:12].int().view(4, 3)
+    everything = torch.arange(12 * 128)
+    R.insert_kv(*(torch.randn(12 * 128, 1, 128, generator=gen).to(BF16) for _ in range(2)), kc, vc, everything,
+                *scales)
+    # two decodes of 4 tokens (seq_len 300, 129), then prefills of 5 tokens from 0 and 9 from 250
+    seq = torch.tensor([300, 129, 5, 259], dtype=torch.int32)
+    qlens = torch.tensor([4, 4, 5, 9], dtype=torch.int32)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), qlens.cumsum(0).int()])
+    req = torch.repeat_interleave(torch.arange(4), qlens).int()
+    pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq.tolist(), qlens.tolist())]).int()
+    md = MetadataBuilder(4, 384, num_cache_blocks=12, kernels=host_kernels).build(table, seq, qsl, seq - qlens, 4, 2)
+    n = int(qsl[-1])
+    q = torch.randn(n, 16, 128, generator=gen).to(BF16)
+    index_q = torch.randn(n, 1, 128, generator=gen).to(BF16)
+
+    topk = Indexer(1, BF16, kernels=host_kernels).topk(index_q, index_cache, md)
+    assert torch.equal(topk, R.index_topk(index_q, index_cache, table, req, pos))
+    attn = SparseAttention(16, 1, 128, 128 ** -0.5, FNUZ, kernels=host_kernels)
+    out = attn.forward(q, kc, vc, torch.full_like(q, float("nan")), topk, md, *scales)
+    sbt, sctx = R.build_sparse_block_table_prefill(topk, table, req, pos, 16)
+    by_table = attn.forward(q, kc, vc, torch.full_like(q, float("nan")), topk, md, *scales,
+                            sparse_block_table=sbt, sparse_context_lens=sctx)
+    ref = torch.empty_like(q)
+    R.sparse_attn_prefill(q, kc, vc, topk, table, req, pos, 1, 128 ** -0.5, ref, *scales)
+    assert_attend_close(out, ref, "split calls")
+    assert_attend_close(by_table, ref, "split calls over the table")
+    assert (calls["index_topk"], calls["sparse_attn_decode"], calls["sparse_attn_prefill"],
+            calls["sparse_paged_attend"]) == (2, 2, 14, 22)

@@ -20,7 +20,7 @@ import torch
 from ..config import FP8_DTYPES, MsaConfig
 from ..layout import BLOCK_SIZE, HEAD_DIM
 from .fp8 import decode_fp8, encode_fp8, storage_dtype
-from .portable import _dims, flat_index2
+from .portable import _dims, flat_index2, rows_per_call
 from .spec import ExportedSpec
 
 FORCED_INIT_SCORE, FORCED_LOCAL_SCORE, NAN_SCORE = 1e30, 1e29, -1e30  # as reference.index_topk
@@ -154,6 +154,11 @@ class IndexTopkSpec(ExportedSpec):
 
     def module(self):
         return IndexTopk(self)
+
+    def rows_per_call(self, columns: int) -> int:
+        """Tokens of one call over an index block table of `columns` columns: a token gathers the
+        128 keys of every column as f32."""
+        return rows_per_call(columns * BLOCK_SIZE * HEAD_DIM * 4)
 
     def example_args(self):
         c = self.cfg

@@ -23,6 +23,16 @@ from ..layout import BLOCK_SIZE, HEAD_DIM, PAGE_SIZE, PAGES_PER_BLOCK, elements_
 from .fp8 import decode_fp8, encode_fp8, storage_dtype
 from .spec import ExportedSpec
 
+# The attend and the indexer's top-k gather every row's keys (the attend its values too) as f32
+# before they reduce them, so one call's memory grows with its rows: the runtime calls one over
+# at most this many gathered bytes at a time (whole rows, at least one), whatever the step's size
+GATHER_BYTES_PER_CALL = 256 << 20
+
+
+def rows_per_call(bytes_per_row: int) -> int:
+    """Rows of one portable call whose gathers stay within GATHER_BYTES_PER_CALL (at least 1)."""
+    return max(1, GATHER_BYTES_PER_CALL // bytes_per_row)
+
 
 # ---- shared pieces of the formulations ------------------------------------------------------
 
@@ -328,7 +338,14 @@ def _attend_dims(d):
             "k_scale": {1: d["S"]}, "v_scale": {1: d["Sv"]}}
 
 
-class SparsePagedAttendSpec(ExportedSpec):
+class _AttendSpec(ExportedSpec):
+    def rows_per_call(self) -> int:
+        """Query rows of one call: a row gathers K and V of its top-k blocks for every KV head, as f32."""
+        c = self.cfg
+        return rows_per_call(2 * c.topk * BLOCK_SIZE * c.num_kv_heads * HEAD_DIM * 4)
+
+
+class SparsePagedAttendSpec(_AttendSpec):
     kernel = "sparse_paged_attend"
 
     def module(self):
@@ -346,7 +363,7 @@ class SparsePagedAttendSpec(ExportedSpec):
         return {**_attend_dims(d), "sparse_bt": {0: d["T"]}, "sparse_ctx": {0: d["T"]}}
 
 
-class SparseAttnDecodeSpec(ExportedSpec):
+class SparseAttnDecodeSpec(_AttendSpec):
     kernel = "sparse_attn_decode"
 
     @property
@@ -372,7 +389,7 @@ class SparseAttnDecodeSpec(ExportedSpec):
         return {**dims, "topk": {1: t}, "block_table": {0: d["B"], 1: d["C"]}, "seq_lens": {0: d["B"]}}
 
 
-class SparseAttnPrefillSpec(ExportedSpec):
+class SparseAttnPrefillSpec(_AttendSpec):
     kernel = "sparse_attn_prefill"
 
     def module(self):

@@ -334,48 +334,36 @@ class SparseAttention:
                     sparse_context_lens[:n * h].reshape(n, h), scale_v, ksv, vsv)
             self.kernels.run(spec, *args, out=[_rows(output, 0, n), self._workspace_for(spec, n, query.device)])
             return output
-        kp, vp = layer.kp, layer.vp
-        common = (self.scale_tensor, layer.ks, layer.vs)
         launched = []  # the GPU attends of the step's phases: (spec, args, output rows, workspace, step tensors)
         for lo, hi, phase in ((0, nd, metadata.decode), (nd, n, metadata.prefill)):
             if hi == lo:
                 continue
+            if emitted or not self.gpu_decode:
+                tables = (sparse_block_table, sparse_context_lens) if emitted else None
+                self._portable_attend(metadata, phase, lo, hi, query, output, topk, layer, tables)
+                continue
             q = _rows(query, lo, hi)
-            if emitted:
-                spec = self._spec(SparsePagedAttendSpec, stride)
-                args = (q, kp, vp, sparse_block_table[lo * h:hi * h].reshape(hi - lo, h, -1),
-                        sparse_context_lens[lo * h:hi * h].reshape(hi - lo, h), *common)
-            elif phase is metadata.decode and self.gpu_decode:
+            kpv, vpv, scale_v, ksv, vsv = layer.views
+            if phase is metadata.decode:
                 spec = self._spec(self.decode_spec, stride, phase.decode_query_len, graph=graph,
                                   insert=key is not None)
-                kpv, vpv, scale_v, ksv, vsv = layer.views
                 args = (q, kpv, vpv, _rows(topk, lo, hi, 1), *self._step_views(phase, *_DECODE_STEP),
                         scale_v, ksv, vsv)
                 if key is not None:  # the step's new K/V and their slots, written by the attend
                     args += (_rows(key, lo, hi), _rows(value, lo, hi), _rows(metadata.slot_mapping, lo, hi))
-            elif phase is metadata.decode:
-                spec = self._spec(SparseAttnDecodeSpec, stride, phase.decode_query_len)
-                args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.seq_lens, *common)
-            elif self.gpu_decode:
+            else:
                 spec = self._spec(self.prefill_spec, stride)
-                kpv, vpv, scale_v, ksv, vsv = layer.views
                 args = (q, kpv, vpv, _rows(topk, lo, hi, 1),
                         *self._step_views(phase, *_PREFILL_STEP), scale_v, ksv, vsv)
-            else:
-                spec = self._spec(SparseAttnPrefillSpec, stride)
-                args = (q, kp, vp, topk[:, lo:hi], phase.block_table, phase.query_req_id, phase.query_abs_pos, *common)
-            if getattr(spec, "output_storage", False):  # (checks.check_out: output is contiguous)
-                ws = self._workspace_for(spec, hi - lo, query.device)
-                out_rows = _rows(output, lo, hi)
-                self.kernels.run(spec, *args, out=[out_rows, ws])  # written in place
-                names = _DECODE_STEP if phase is metadata.decode else _PREFILL_STEP
-                step = {4 + i: getattr(phase, name) for i, name in enumerate(names)}
-                if key is not None:
-                    step[11] = metadata.slot_mapping
-                launched.append((spec, args, out_rows, ws, step))
-                continue
-            (o,) = self.kernels.run(spec, *args, out_dtypes=[query.dtype])
-            output[lo:hi].copy_(o)
+            # (checks.check_out: output is contiguous)
+            ws = self._workspace_for(spec, hi - lo, query.device)
+            out_rows = _rows(output, lo, hi)
+            self.kernels.run(spec, *args, out=[out_rows, ws])  # written in place
+            names = _DECODE_STEP if phase is metadata.decode else _PREFILL_STEP
+            step = {4 + i: getattr(phase, name) for i, name in enumerate(names)}
+            if key is not None:
+                step[11] = metadata.slot_mapping
+            launched.append((spec, args, out_rows, ws, step))
         if self.gpu_decode and not emitted and len(launched) == (nd > 0) + (n > nd):
             bound = _StepLaunch.bind(self.kernels, metadata, layer, (k_cache, v_cache, k_scale, v_scale),
                                      (query, topk, output), launched, graph, (key, value))
@@ -386,6 +374,31 @@ class SparseAttention:
         return output
 
     __call__ = forward
+
+    def _portable_attend(self, metadata, phase, lo, hi, query, output, topk, layer, tables=None):
+        """The portable attend of the step's rows [lo, hi) (one phase; over the given page table
+        where `tables` holds it), in calls of at most the spec's rows_per_call rows, so that
+        what a call gathers stays bounded (a decode request's L rows stay in one call), each
+        call's result copied into its rows of output."""
+        h, stride = self.cfg.num_kv_heads, layer.stride
+        if tables is not None:
+            sbt, sctx = tables
+            spec, unit = self._spec(SparsePagedAttendSpec, stride), 1
+            rows = lambda a, b: (sbt[a * h:b * h].reshape(b - a, h, -1), sctx[a * h:b * h].reshape(b - a, h))
+        elif phase is metadata.decode:  # (decode rows start at 0)
+            L = phase.decode_query_len
+            spec, unit = self._spec(SparseAttnDecodeSpec, stride, L), L
+            rows = lambda a, b: (topk[:, a:b], phase.block_table[a // L:b // L], phase.seq_lens[a // L:b // L])
+        else:
+            spec, unit = self._spec(SparseAttnPrefillSpec, stride), 1
+            rows = lambda a, b: (topk[:, a:b], phase.block_table, phase.query_req_id[a - lo:b - lo],
+                                 phase.query_abs_pos[a - lo:b - lo])
+        per_call = max(1, spec.rows_per_call() // unit) * unit
+        for a in range(lo, hi, per_call):
+            b = min(hi, a + per_call)
+            (o,) = self.kernels.run(spec, _rows(query, a, b), layer.kp, layer.vp, *rows(a, b), self.scale_tensor,
+                                    layer.ks, layer.vs, out_dtypes=[query.dtype])
+            output[a:b].copy_(o)
 
 
 class _StepLaunch(_LayerBinding):

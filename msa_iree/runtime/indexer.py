@@ -105,13 +105,22 @@ class Indexer:
             if n:
                 self._run_gpu(gpu, q, raw, metadata, (topk,))
             return topk
-        (topk,) = self.kernels.run(self.specs.topk, q, raw, metadata.block_table, metadata.token_req_id,
-                                   metadata.token_abs_pos, out_dtypes=[torch.int32])
+        topk = self._portable_topk(q, raw, metadata)
         if out is None:
             return topk
         out = self._output_buffer("out", out, tuple(topk.shape), topk.device)
         out[:, :topk.shape[1]].copy_(topk)  # the portable kernel allocates its result
         return out
+
+    def _portable_topk(self, q, raw, metadata):
+        """The portable kernel's top-k of the step's tokens, in calls of at most its rows_per_call
+        tokens (each call gathers the keys of its tokens' whole table rows)."""
+        spec, table = self.specs.topk, metadata.block_table
+        per_call = spec.rows_per_call(table.shape[1])
+        parts = [self.kernels.run(spec, q[a:a + per_call], raw, table, metadata.token_req_id[a:a + per_call],
+                                  metadata.token_abs_pos[a:a + per_call], out_dtypes=[torch.int32])[0]
+                 for a in range(0, max(q.shape[0], 1), per_call)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
     def _gpu_spec(self, metadata, q, emit_table=False):
         """The GPU kernel for this step (None: the portable one): a decode-only step's tokens of a
