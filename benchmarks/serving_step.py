@@ -14,6 +14,9 @@ longest seq_len given to the builder as vLLM gives it (max_seq_len). Per layer (
 - build_us: one step's `MetadataBuilder.build` (+ sync), not divided by the layers;
 - build_alone_us: the same build in a loop of builds with no layers between them (the host's
   caches warm: what the step's layers cost the build is the difference);
+- build_idle_us: the same build after the host slept as long as the step waited for its
+  kernels (idle_ms; the wait's median): what waking from that wait costs the build alone (a
+  CPU idle for milliseconds runs its next few hundred microseconds of work several times slower);
 - host_us: the host time of a layer's insert and attend (the 57 layers issued, before the sync);
 - eager_us: a step run eagerly: build + 57 layers + sync;
 - graph_us (decode steps): the step's 57 layers captured in a CUDA graph once, each replay after
@@ -123,7 +126,7 @@ def measure(case: ServingCase, graph: bool) -> dict:
     """The per-layer numbers of one case (module docstring)."""
     case.layers_call(case.build())  # each layer's first, fully checked call; its later calls bound
     torch.cuda.synchronize()
-    build, host, eager = [], [], []
+    build, host, eager, wait = [], [], [], []
     for _ in range(STEPS):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -137,15 +140,20 @@ def measure(case: ServingCase, graph: bool) -> dict:
         build.append(t1 - t0)
         host.append((t2 - t1) / LAYERS)
         eager.append((t3 - t0) / LAYERS)
-    alone = []
-    for _ in range(STEPS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        case.build()
-        torch.cuda.synchronize()
-        alone.append(time.perf_counter() - t0)
-    row = {"build_us": _median(build), "build_alone_us": _median(alone), "host_us": _median(host),
-           "eager_us": _median(eager)}
+        wait.append(t3 - t2)
+    idle_s = statistics.median(wait)
+    alone, idle = [], []
+    for sleep_s, times in ((0, alone), (idle_s, idle)):
+        for _ in range(STEPS):
+            torch.cuda.synchronize()
+            if sleep_s:
+                time.sleep(sleep_s)
+            t0 = time.perf_counter()
+            case.build()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    row = {"build_us": _median(build), "build_alone_us": _median(alone), "build_idle_us": _median(idle),
+           "idle_ms": idle_s * 1e3, "host_us": _median(host), "eager_us": _median(eager)}
     if graph:
         md = case.build()
         case.layers_call(md)
@@ -189,15 +197,16 @@ def library_memory_MB(build_dir, device, layers, launch) -> float:
 
 
 # the table's measured columns: (row key, width, format)
-COLUMNS = [("build_us", 8, ".1f"), ("build_alone_us", 7, ".1f"), ("host_us", 7, ".1f"), ("eager_us", 8, ".1f"), ("graph_us", 8, ".1f"),
+COLUMNS = [("build_us", 8, ".1f"), ("build_alone_us", 7, ".1f"), ("build_idle_us", 7, ".1f"), ("idle_ms", 7, ".2f"),
+           ("host_us", 7, ".1f"), ("eager_us", 8, ".1f"), ("graph_us", 8, ".1f"),
            ("kernels_us", 10, ".1f"), ("eager_over_graph", 11, ".2f"), ("graph_over_kernels", 10, ".2f")]
 
 
 def format_table(rows) -> str:
     head = (f"{'step':>8} {'insert':>8} {'kv':>10} {'Hq':>3} {'B':>4} {'ctx':>6} {'table':>7} {'build us':>8} "
-            f"{'alone':>7} {'host us':>7} {'eager us':>8} {'graph us':>8} {'kernels us':>10} {'eager/graph':>11} {'graph/kern':>10}")
+            f"{'alone':>7} {'idle':>7} {'idle ms':>7} {'host us':>7} {'eager us':>8} {'graph us':>8} {'kernels us':>10} {'eager/graph':>11} {'graph/kern':>10}")
     lines = ["per layer (57 layers a step; build us: a step's metadata build, alone: in a loop of builds; table: "
-             "its block table's width in tokens)", head]
+             "its block table's width in tokens; idle: after the host slept idle ms, the step's wait for its kernels)", head]
     for r in rows:
         cells = [table_cell(r.get(k), w, f) for k, w, f in COLUMNS]
         lines.append(f"{r['step']:>8} {r.get('insert', 'separate'):>8} {r['kv_dtype'][:10]:>10} {r['q_heads']:>3} "

@@ -111,3 +111,19 @@ def test_the_indexer_benchmark_pads_block_tables_as_vllm_does():
     assert torch.equal(want, R.index_topk(q[2:4], cache, table[1:2], torch.zeros(2, dtype=torch.int32), pos[2:4]))
     with pytest.raises(ValueError, match="--columns: expected at least the 3 blocks of a 300-token context, got 2"):
         indexer.decode_case(1, 300, 1, "bf16", cpu, torch.Generator().manual_seed(0), columns=2)
+
+
+def test_the_wake_probe_times_each_work_after_each_wait(capsys):
+    """benchmarks.host_wake on the host: a row per (work, sleep / spin), a duration per wait (spin
+    rows none at 0 ms), and its steps are the builder's decode and mixed steps."""
+    from benchmarks import host_wake
+
+    table, seq, qsl, computed, slots, num_decodes = host_wake.step_inputs(torch.device("cpu"), host_wake.CHUNK)
+    assert int(qsl[-1]) == host_wake.BATCH - 1 + host_wake.CHUNK and num_decodes == host_wake.BATCH - 1
+    assert torch.equal(seq - computed, qsl[1:] - qsl[:-1]) and slots.unique().numel() == slots.numel()
+    rows = host_wake.main(["--reps", "3", "--waits", "0,1"])
+    assert [(r["work"], r["wait"]) for r in rows] == [(w, s) for w in ("build decode", "build mixed", "numpy loop")
+                                                      for s in ("sleep", "spin")]
+    assert all(set(r["us_after_ms"]) == ({0.0, 1.0} if r["wait"] == "sleep" else {1.0}) for r in rows)
+    assert all(v > 0 for r in rows for v in r["us_after_ms"].values())
+    assert "build mixed" in capsys.readouterr().out

@@ -48,5 +48,5 @@ def test_a_cases_measurement_runs_end_to_end_on_the_host(host_kernels, monkeypat
     case = ServingCase(host_kernels, torch.device("cpu"), batch=3, context=300, num_heads=16, kv_name="bf16",
                        pool_gib=1 / 64, layers=2)
     row = serving_step.measure(case, graph=False)
-    assert set(row) == {"build_us", "build_alone_us", "host_us", "eager_us"}
+    assert set(row) == {"build_us", "build_alone_us", "build_idle_us", "idle_ms", "host_us", "eager_us"}
     assert all(v > 0 for v in row.values())
