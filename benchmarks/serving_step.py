@@ -47,6 +47,7 @@ from msa_iree.layout import num_cache_blocks
 from msa_iree.runtime import KernelLibrary, MetadataBuilder, SparseAttention
 
 from .bench import DecodeCase, add_launch_args, capture_step, draw_topk, kernel_us, launch_options, table_cell
+from .host_wake import after_wait_us
 
 LAYERS = 57  # MiniMax-M3's sparse layers
 STEPS = 20   # timed steps per measurement
@@ -142,18 +143,13 @@ def measure(case: ServingCase, graph: bool) -> dict:
         eager.append((t3 - t0) / LAYERS)
         wait.append(t3 - t2)
     idle_s = statistics.median(wait)
-    alone, idle = [], []
-    for sleep_s, times in ((0, alone), (idle_s, idle)):
-        for _ in range(STEPS):
-            torch.cuda.synchronize()
-            if sleep_s:
-                time.sleep(sleep_s)
-            t0 = time.perf_counter()
-            case.build()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-    row = {"build_us": _median(build), "build_alone_us": _median(alone), "build_idle_us": _median(idle),
-           "idle_ms": idle_s * 1e3, "host_us": _median(host), "eager_us": _median(eager)}
+
+    def build_and_sync():
+        case.build()
+        torch.cuda.synchronize()
+    row = {"build_us": _median(build), "build_alone_us": after_wait_us(build_and_sync, 0, False, STEPS),
+           "build_idle_us": after_wait_us(build_and_sync, idle_s, False, STEPS), "idle_ms": idle_s * 1e3,
+           "host_us": _median(host), "eager_us": _median(eager)}
     if graph:
         md = case.build()
         case.layers_call(md)

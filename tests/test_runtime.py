@@ -424,7 +424,7 @@ def test_a_step_past_the_builders_sizes_and_many_step_shapes_keep_their_values()
 def test_portable_calls_split_a_step_so_that_each_gathers_a_bounded_amount(host_kernels, monkeypatch):
     """With a gather budget of 3 MiB (an attend row gathers 2 MiB, a top-k token 64 KiB a
     column), the portable attend runs a call a prefill row and a call a decode request (its 4
-    rows together), and the indexer's top-k 12 tokens a call over a 4-column table: the step's
+    rows together), and the indexer's top-k 16 tokens a call over a 3-column table: the step's
     outputs are still the reference's."""
     import collections
 
