@@ -295,7 +295,10 @@ class SparseAttention:
         tables = sparse_block_table is not None or sparse_context_lens is not None
         bound = self._decode_launch if metadata.prefill is None else self._mixed_launch
         bound = bound if bound is not None and bound.graph == graph and not tables else None
-        if bound is not None and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale, key, value):
+        # a binding serves a call with key/value only if it inserts (a mixed step's does not: its
+        # insert runs first, then the binding serves the call without them)
+        if (bound is not None and bound.insert == (key is not None)
+                and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale, key, value)):
             return output  # a bound step of the same shape: only what changes per call was checked
         if (key is not None or value is not None) and not self._fused_insert(metadata, query, key, value, tables):
             self.insert_kv(key, value, k_cache, v_cache, metadata, k_scale, v_scale)
@@ -462,7 +465,9 @@ class _StepLaunch(_LayerBinding):
         """Queue the attend if this call is one the binding serves (True); else False, nothing done.
         key/value: the step's new K/V, served only by an inserting attend's binding (and it only
         serves calls that bring them)."""
-        if not self._serves(metadata, k_cache, v_cache, k_scale, v_scale) or metadata.max_block_id >= self.num_blocks:
+        if ((key is not None or value is not None) != self.insert
+                or not self._serves(metadata, k_cache, v_cache, k_scale, v_scale)
+                or metadata.max_block_id >= self.num_blocks):
             return False
         q_shape, q_dtype, index = self.q_shape, self.q_dtype, self.device_index
         if not (query.shape == q_shape and output.shape == q_shape and topk.shape == self.topk_shape
@@ -478,8 +483,6 @@ class _StepLaunch(_LayerBinding):
                     and metadata.max_slot < self.num_blocks * _BLOCK):
                 return False
             addresses = (query.data_ptr(), topk.data_ptr(), key.data_ptr(), value.data_ptr(), output.data_ptr())
-        elif key is not None or value is not None:
-            return False
         else:
             addresses = (query.data_ptr(), topk.data_ptr(), output.data_ptr())
         if self.refresh:
