@@ -386,7 +386,8 @@ def test_forward_inserts_a_decode_steps_kv_in_its_own_launch(cuda_kernels, kv, q
     """forward(key=, value=): a decode-only step's attend writes the step's K/V itself (the
     cache byte for byte the reference insert's, the output the reference attend's over it): checked
     and bound calls, L = 1 and 4 (a token reads the request's earlier new tokens of the step),
-    padding requests, a request crossing into a new block; prefill and mixed steps insert first."""
+    padding requests, a request crossing into a new block; prefill and mixed steps insert first,
+    a mixed step of a bound shape too (its binding, which does not insert, serves the attend)."""
     from serving import Server
 
     s = Server(cuda_kernels, DTYPES[kv], DTYPES[qd], layout, h, smode, seed=13, device="cuda", gpu_matrix=matrix,
@@ -400,6 +401,10 @@ def test_forward_inserts_a_decode_steps_kv_in_its_own_launch(cuda_kernels, kv, q
         s.step(batch, [], L)                                      # the next step of this shape: bound
         assert s.attn._decode_launch is bound
     s.step(["a"], [("c", 129)], 1)                                # mixed: insert_kv, then the attend
+    s.step(["a"], [("c", 50)], 1)                                 # c at 129..178: binds (one KV head)
+    mixed = s.attn._mixed_launch
+    s.step(["a"], [("c", 50)], 1)                                 # 179..228, the same shape: insert_kv, the binding
+    assert (mixed is not None) == (h == 1) and s.attn._mixed_launch is mixed
 
 
 @pytest.mark.parametrize("kv, qd, layout, h, smode", gpu_cases.GPU_SERVING_CASES)
