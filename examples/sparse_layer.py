@@ -44,7 +44,6 @@ kv_table = torch.randperm(NUM_BLOCKS, generator=generator)[:2 * 18].int().view(2
 index_table = torch.randperm(NUM_BLOCKS, generator=generator)[:2 * 18].int().view(2, 18)
 
 
-
 def slots(table, request, positions):
     """vLLM's slot mapping: the cache slot of each token, block id * 128 + offset."""
     return (table[request, positions // BLOCK].long() * BLOCK + positions % BLOCK).int()

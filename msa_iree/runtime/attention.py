@@ -295,10 +295,7 @@ class SparseAttention:
         tables = sparse_block_table is not None or sparse_context_lens is not None
         bound = self._decode_launch if metadata.prefill is None else self._mixed_launch
         bound = bound if bound is not None and bound.graph == graph and not tables else None
-        # a binding serves a call with key/value only if it inserts (a mixed step's does not: its
-        # insert runs first, then the binding serves the call without them)
-        if (bound is not None and bound.insert == (key is not None)
-                and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale, key, value)):
+        if bound is not None and bound(metadata, query, k_cache, v_cache, output, topk, k_scale, v_scale, key, value):
             return output  # a bound step of the same shape: only what changes per call was checked
         if (key is not None or value is not None) and not self._fused_insert(metadata, query, key, value, tables):
             self.insert_kv(key, value, k_cache, v_cache, metadata, k_scale, v_scale)
@@ -342,8 +339,8 @@ class SparseAttention:
             if hi == lo:
                 continue
             if emitted or not self.gpu_decode:
-                tables = (sparse_block_table, sparse_context_lens) if emitted else None
-                self._portable_attend(metadata, phase, lo, hi, query, output, topk, layer, tables)
+                given = (sparse_block_table, sparse_context_lens) if emitted else None
+                self._portable_attend(metadata, phase, lo, hi, query, output, topk, layer, given)
                 continue
             q = _rows(query, lo, hi)
             kpv, vpv, scale_v, ksv, vsv = layer.views
@@ -464,7 +461,8 @@ class _StepLaunch(_LayerBinding):
                  value=None) -> bool:
         """Queue the attend if this call is one the binding serves (True); else False, nothing done.
         key/value: the step's new K/V, served only by an inserting attend's binding (and it only
-        serves calls that bring them)."""
+        serves calls that bring them): refused first, so that a mixed step's forward(key=, value=),
+        whose binding does not insert, costs one compare before its insert runs."""
         if ((key is not None or value is not None) != self.insert
                 or not self._serves(metadata, k_cache, v_cache, k_scale, v_scale)
                 or metadata.max_block_id >= self.num_blocks):
