@@ -468,3 +468,126 @@ def test_portable_calls_split_a_step_so_that_each_gathers_a_bounded_amount(host_
     assert_attend_close(by_table, ref, "split calls over the table")
     assert (calls["index_topk"], calls["sparse_attn_decode"], calls["sparse_attn_prefill"],
             calls["sparse_paged_attend"]) == (2, 2, 14, 22)
+
+
+# ---- a bound step (the GPU fast path's serve-or-refuse decision, with stand-in launches) --------
+
+class _RecordingKernel:
+    """A stream kernel's stand-in: its bound launch records (phase, stream, addresses) in `log`."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def bind(self, args, variable):
+        return lambda stream, *addresses: self.log.append((self.name, stream, addresses))
+
+
+def _bound_step(monkeypatch, metadata, query, topk, output, caches, num_blocks, key=None, value=None):
+    """A _StepLaunch bound as forward binds one after its checked call: each phase's (query rows,
+    caches, top-k rows, step tensors, ...) as the GPU attend takes them; `log` the launches."""
+    from types import SimpleNamespace
+
+    from msa_iree.runtime import attention
+
+    monkeypatch.setattr(attention, "_current_raw_stream", lambda index: 7)
+    log = []
+    kernels = SimpleNamespace(stream_launch=True, stream_kernel=lambda spec: _RecordingKernel(spec, log))
+    nd, n = metadata.num_decode_tokens, metadata.num_actual_tokens
+    phases = []
+    if nd:
+        d = metadata.decode
+        args = (query[:nd], *caches, topk[:, :nd], d.block_table, d.seq_lens)
+        args += (None,) * 3 + ((key[:nd], value[:nd], metadata.slot_mapping[:nd]) if key is not None else ())
+        phases.append(("decode", args, output[:nd], None, {4: d.block_table, 5: d.seq_lens}))
+    if n > nd:
+        p = metadata.prefill
+        args = (query[nd:n], *caches, topk[:, nd:n], p.block_table, p.query_req_id, p.query_abs_pos)
+        phases.append(("prefill", args, output[nd:n], None,
+                       {4: p.block_table, 5: p.query_req_id, 6: p.query_abs_pos}))
+    layer = SimpleNamespace(num_blocks=num_blocks, refresh=())
+    bound = attention._StepLaunch.bind(kernels, metadata, layer, (*caches, None, None), (query, topk, output),
+                                       phases, new_kv=(key, value))
+    return bound, log
+
+
+def _steps(num_decodes, tokens):
+    """Steps of one shape: `num_decodes` decodes of seq_len 300 and 129, then a prefill of the rest
+    of `tokens` (seq_len 205) where there is one; step(base) gives request r the cache blocks from
+    base + 8r, so that its requests reference blocks base..base + 2, base + 8..base + 9 and
+    base + 16..base + 17."""
+    builder = MetadataBuilder(max_num_seqs=3, max_model_len=1024)
+    qlens = [1] * num_decodes + ([tokens - num_decodes] if tokens > num_decodes else [])
+    qsl = torch.tensor([0, *np.cumsum(qlens)], dtype=torch.int32)
+    seq = torch.tensor([300, 129, 205][:len(qlens)], dtype=torch.int32)
+
+    def step(base):
+        bt = torch.arange(base, base + 8 * len(qlens), dtype=torch.int32).reshape(len(qlens), 8)
+        slots = torch.arange(base * 128, base * 128 + tokens, dtype=torch.int64)
+        return builder.build(bt, seq, qsl, seq - (qsl[1:] - qsl[:-1]), 1, num_decodes, slot_mapping=slots)
+    return step
+
+
+def test_a_bound_mixed_step_launches_each_phase_at_its_rows_and_refuses_every_other_call(monkeypatch):
+    """Two decodes then a 5-token prefill: the decode phase at the tensors' first rows, the
+    prefill's 2 rows in (query/output rows of 16 x 128 bf16 = 4096 bytes, top-k rows of 16 int32 =
+    64 bytes); anything the binding was not made for is refused with nothing launched."""
+    step = _steps(2, 7)
+    md = step(0)
+    assert (step(46).max_block_id, step(47).max_block_id) == (63, 64)  # request 2's blocks 62, 63 / 63, 64
+    q, topk = torch.zeros(7, 16, 128, dtype=BF16), torch.zeros(1, 7, 16, dtype=torch.int32)
+    out = torch.zeros_like(q)
+    caches = torch.zeros(64 * 16, 128, dtype=BF16), torch.zeros(64 * 16, 128, dtype=BF16)
+    bound, log = _bound_step(monkeypatch, md, q, topk, out, caches, num_blocks=64)
+
+    q2, out2 = torch.zeros_like(q), torch.zeros_like(q)  # the next layer's query and output
+    assert bound(step(46), q2, *caches, out2, topk, None, None)  # blocks up to 63: in the cache
+    qa, ta, oa = q2.data_ptr(), topk.data_ptr(), out2.data_ptr()
+    assert log == [("decode", 7, (qa, ta, oa)), ("prefill", 7, (qa + 2 * 4096, ta + 2 * 64, oa + 2 * 4096))]
+
+    log.clear()
+    k = torch.zeros(7, 1, 128, dtype=BF16)
+    refused = {
+        "block 64 in a cache of 64": (step(47), q, *caches, out, topk, None, None),
+        "key and value (an insert) on a binding that does not insert": (md, q, *caches, out, topk, None, None, k, k),
+        "a step of another shape": (_steps(1, 7)(0), q, *caches, out, topk, None, None),
+        "another k_cache": (md, q, caches[0].clone(), caches[1], out, topk, None, None),
+        "a scale the binding was not made with": (md, q, *caches, out, topk, torch.ones(1), None),
+        "a query of 8 rows": (md, torch.zeros(8, 16, 128, dtype=BF16), *caches, out, topk, None, None),
+        "an fp16 query": (md, q.half(), *caches, out.half(), topk, None, None),
+        "an int64 top-k": (md, q, *caches, out, topk.long(), None, None),
+        "a strided output": (md, q, *caches, torch.zeros(16, 7, 128, dtype=BF16).transpose(0, 1), topk, None, None),
+    }
+    for what, call in refused.items():
+        assert not bound(*call), what
+    assert log == []
+
+
+def test_a_bound_inserting_step_serves_only_calls_that_bring_its_key_and_value(monkeypatch):
+    """A decode-only step whose attend inserts: the key and value rows launched beside the query's;
+    a call without them, of another dtype, or writing a slot past the cache is refused."""
+    step = _steps(3, 3)
+    md = step(0)
+    assert (step(46).max_block_id, step(47).max_block_id, step(46).max_slot) == (63, 64, 46 * 128 + 2)
+    q, topk = torch.zeros(3, 16, 128, dtype=BF16), torch.zeros(1, 3, 16, dtype=torch.int32)
+    out = torch.zeros_like(q)
+    k, v = torch.zeros(3, 1, 128, dtype=BF16), torch.zeros(3, 1, 128, dtype=BF16)
+    caches = torch.zeros(64 * 16, 128, dtype=BF16), torch.zeros(64 * 16, 128, dtype=BF16)
+    bound, log = _bound_step(monkeypatch, md, q, topk, out, caches, num_blocks=64, key=k, value=v)
+
+    assert bound(step(46), q, *caches, out, topk, None, None, k, v)  # blocks up to 63, slots 46 * 128 + 0..2
+    assert log == [("decode", 7, (q.data_ptr(), topk.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()))]
+
+    log.clear()
+    past = step(46)
+    past.max_slot = 64 * 128  # the first slot past the cache (the step's blocks in it)
+    refused = {
+        "no key and value": (md, q, *caches, out, topk, None, None),
+        "a key without its value": (md, q, *caches, out, topk, None, None, k, None),
+        "an fp16 key and value": (md, q, *caches, out, topk, None, None, k.half(), v.half()),
+        "a key of 4 rows": (md, q, *caches, out, topk, None, None, torch.zeros(4, 1, 128, dtype=BF16), v),
+        "a slot past the cache": (past, q, *caches, out, topk, None, None, k, v),
+        "block 64 in a cache of 64": (step(47), q, *caches, out, topk, None, None, k, v),
+    }
+    for what, call in refused.items():
+        assert not bound(*call), what
+    assert log == []
