@@ -511,10 +511,10 @@ def _bound_step(monkeypatch, metadata, query, topk, output, caches, num_blocks, 
 
 
 def _steps(num_decodes, tokens):
-    """Steps of one shape: `num_decodes` decodes of seq_len 300 and 129, then a prefill of the rest
-    of `tokens` (seq_len 205) where there is one; step(base) gives request r the cache blocks from
-    base + 8r, so that its requests reference blocks base..base + 2, base + 8..base + 9 and
-    base + 16..base + 17."""
+    """Steps of one shape: requests of seq_len 300, 129 and 205, the first `num_decodes` decoding
+    one token each, the next a prefill of the rest of `tokens`; step(base) gives request r the
+    cache blocks from base + 8r, so that its requests reference blocks base..base + 2,
+    base + 8..base + 9 and base + 16..base + 17."""
     builder = MetadataBuilder(max_num_seqs=3, max_model_len=1024)
     qlens = [1] * num_decodes + ([tokens - num_decodes] if tokens > num_decodes else [])
     qsl = torch.tensor([0, *np.cumsum(qlens)], dtype=torch.int32)
