@@ -591,3 +591,53 @@ def test_a_bound_inserting_step_serves_only_calls_that_bring_its_key_and_value(m
     for what, call in refused.items():
         assert not bound(*call), what
     assert log == []
+
+
+def test_a_bound_insert_serves_its_steps_and_sees_a_strided_scale_changed_in_place(monkeypatch):
+    """_InsertLaunch: served for a step of its shape with the same caches and scales (key and value
+    launched at their addresses, a scale expanded over the KV heads refreshed into its contiguous
+    copy first); refused, with nothing launched, for a slot past the cache and for what it was not
+    made with."""
+    from types import SimpleNamespace
+
+    from msa_iree.runtime import kv_insert
+
+    monkeypatch.setattr(kv_insert, "_current_raw_stream", lambda index: 7)
+    log, given = [], []
+
+    def stream_kernel(spec):
+        def bind(tensors, variable):
+            given.extend(tensors)
+            return lambda stream, *addresses: log.append((stream, addresses))
+        return SimpleNamespace(bind=bind)
+
+    kernels = SimpleNamespace(stream_launch=True, stream_kernel=stream_kernel)
+    step = _steps(3, 3)
+    md = step(0)
+    k, v = torch.zeros(3, 2, 128, dtype=BF16), torch.zeros(3, 2, 128, dtype=BF16)
+    caches = torch.zeros(64 * 16, 256, dtype=BF16), torch.zeros(64 * 16, 256, dtype=BF16)
+    k_scale = torch.full((1, 1), 0.5)
+    ks = k_scale.expand(2, 1)  # one scale over both KV heads: a stride-0 view
+    operands = [caches[0], k, v, md.insert_token_index, md.insert_slots, ks, torch.ones(2, 1)]
+    bound = kv_insert._InsertLaunch.bind(kernels, "insert", md, (*caches, k_scale, None), operands, 64 * 128)
+
+    k_scale.fill_(0.25)
+    assert bound(step(46), k, v, *caches, k_scale, None)
+    assert log == [(7, (k.data_ptr(), v.data_ptr()))]
+    assert given[5].stride() == (1, 1) and given[5].flatten().tolist() == [0.25, 0.25]
+
+    log.clear()
+    past = step(46)
+    past.max_slot = 64 * 128
+    refused = {
+        "a slot past the cache": (past, k, v, *caches, k_scale, None),
+        "slots of no step (a tensor)": (md.slot_mapping, k, v, *caches, k_scale, None),
+        "another v_cache": (md, k, v, caches[0], caches[1].clone(), k_scale, None),
+        "another k_scale": (md, k, v, *caches, k_scale.clone(), None),
+        "a key of 4 rows": (md, torch.zeros(4, 2, 128, dtype=BF16), v, *caches, k_scale, None),
+        "an fp16 value": (md, k, v.half(), *caches, k_scale, None),
+        "a strided key": (md, torch.zeros(2, 3, 128, dtype=BF16).transpose(0, 1), v, *caches, k_scale, None),
+    }
+    for what, call in refused.items():
+        assert not bound(*call), what
+    assert log == []
