@@ -641,3 +641,56 @@ def test_a_bound_insert_serves_its_steps_and_sees_a_strided_scale_changed_in_pla
     for what, call in refused.items():
         assert not bound(*call), what
     assert log == []
+
+
+def test_a_table_the_indexer_emitted_for_the_step_is_not_checked_again_while_unchanged(host_kernels, monkeypatch):
+    """A page table msa-iree's Indexer emitted through the step's metadata (topk_with_table,
+    emit_table) is valid by construction: the attend takes it without its per-call check (a host
+    sync), and attends as the reference does. Written to since, another step's, or built
+    elsewhere, the attend checks it (and refuses an id past the cache)."""
+    from msa_iree import checks
+    from msa_iree.runtime import Indexer
+
+    checked = []
+    check = checks.check_page_table
+    monkeypatch.setattr(checks, "check_page_table", lambda *a, **kw: checked.append(1) or check(*a, **kw))
+    gen = torch.Generator().manual_seed(32)
+    scales = torch.tensor([0.05]), torch.tensor([0.04])
+    kc, vc = allocate_kv_cache(8, 1, FNUZ, "interleaved", fill=0)
+    R.insert_kv(*(torch.randn(8 * 128, 1, 128, generator=gen).to(BF16) for _ in range(2)), kc, vc,
+                torch.arange(8 * 128), *scales)
+    index_cache = torch.randn(8, 128, 128, generator=gen).to(BF16)
+    # a decode at position 299 (blocks 5, 2, 7), then a 3-token prefill at positions 127..129 (blocks 1, 4)
+    table = torch.tensor([[5, 2, 7], [1, 4, -1]], dtype=torch.int32)
+    seq, qlens = torch.tensor([300, 130], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 4], dtype=torch.int32)
+    builder = MetadataBuilder(2, 384, num_cache_blocks=8, kernels=host_kernels)
+    md = builder.build(table, seq, qsl, seq - qlens, 1, 1)
+    q = torch.randn(4, 16, 128, generator=gen).to(BF16)
+    index_q = torch.randn(4, 1, 128, generator=gen).to(BF16)
+    indexer = Indexer(1, BF16, kernels=host_kernels)
+    attn = SparseAttention(16, 1, 128, 128 ** -0.5, FNUZ, kernels=host_kernels)
+
+    def attend(metadata, sbt, sctx):
+        return attn.forward(q, kc, vc, torch.full_like(q, float("nan")), topk, metadata, *scales,
+                            sparse_block_table=sbt, sparse_context_lens=sctx)
+
+    topk, sbt, sctx = indexer.topk_with_table(index_q, index_cache, md, md)
+    ref = torch.empty_like(q)
+    R.sparse_attn_prefill(q, kc, vc, topk, table, torch.tensor([0, 1, 1, 1], dtype=torch.int32),
+                          torch.tensor([299, 127, 128, 129], dtype=torch.int32), 1, 128 ** -0.5, ref, *scales)
+    assert_attend_close(attend(md, sbt, sctx), ref, "the emitted table")
+    assert_attend_close(attend(md, *indexer.emit_table(topk, md)), ref, "emit_table's")
+    assert checked == []
+
+    by_hand = R.build_sparse_block_table_prefill(topk, table, torch.tensor([0, 1, 1, 1], dtype=torch.int32),
+                                                 torch.tensor([299, 127, 128, 129], dtype=torch.int32), 16)
+    other_step = builder.build(table, seq, qsl, seq - qlens, 1, 1)
+    assert_attend_close(attend(md, *by_hand), ref, "a table built elsewhere")
+    assert_attend_close(attend(other_step, sbt, sctx), ref, "the emitted table with another step's metadata")
+    assert checked == [1, 1]
+
+    sbt[0, 0] = 8 * 16  # the first page past the cache (8 blocks of 16 pages, one KV head)
+    with pytest.raises(IndexError, match="out of range"):
+        attend(md, sbt, sctx)
+    assert checked == [1, 1, 1]

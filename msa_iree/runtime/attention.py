@@ -278,7 +278,10 @@ class SparseAttention:
         one block's pages in order (what msa-iree's and AITER's emitters make); elsewhere the
         portable attend. With validate_emitted_tables (the default) the table is checked first
         (checks.check_page_table: ids in the cache, lengths, on a GPU the groups), one host sync a
-        call; without, the kernels clamp every id into the cache (memory-safe, not checked).
+        call, unless msa-iree's Indexer emitted it for this step (Indexer.emit_table,
+        topk_with_table) and no torch operation wrote to it since: such a table is valid by
+        construction (no sync; capturable in a CUDA graph). Without validation the kernels clamp
+        every id into the cache (memory-safe, not checked).
         key/value [>= tokens, H, 128] bf16/fp16 (optional): the step's new tokens, written into
         the cache before the attend reads it, as insert_kv(key, value, k_cache, v_cache, metadata,
         k_scale, v_scale) writes them; on a decode-only step over the GPU attend (`fuses_insert`)
@@ -322,7 +325,8 @@ class SparseAttention:
                 raise ValueError(f"sparse_block_table: expected at least num_actual_tokens * num_kv_heads = {n * h} "
                                  f"rows, got {sparse_block_table.shape[0]} and {sparse_context_lens.shape[0]}")
             gpu_paged = self.paged_spec is not None
-            if self.validate_emitted_tables:
+            if self.validate_emitted_tables and not metadata._emitted_table_unchanged(
+                    sparse_block_table, sparse_context_lens, n * h):
                 checks.check_page_table(sparse_block_table[:n * h], sparse_context_lens[:n * h], h,
                                         min(k_cache.shape[0], v_cache.shape[0]) * h, stride if gpu_paged else None)
         _refresh_copies(layer.refresh)

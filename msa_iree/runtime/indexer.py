@@ -193,7 +193,7 @@ class Indexer:
             sctx_out = self._output_buffer("sparse_ctx", table_out[1], (n, h), sctx.device)
             sbt_out[:n].copy_(sbt.view(n, h, -1))
             sctx_out[:n].copy_(sctx.view(n, h))
-            return topk, sbt_out[:n].reshape(n * h, -1), sctx_out[:n].reshape(n * h)
+            return (topk, *_emitted(attend_metadata, sbt_out[:n].reshape(n * h, -1), sctx_out[:n].reshape(n * h)))
         if not isinstance(attend_metadata, MsaMetadata):
             raise TypeError(f"attend_metadata: expected the attention group's MsaMetadata, "
                             f"got {type(attend_metadata).__name__}")
@@ -208,7 +208,7 @@ class Indexer:
         sctx = self._output_buffer("sparse_ctx", sctx_out, (n, h), q.device)
         if n:
             self._run_gpu(spec, q, raw, metadata, (topk, sbt, sctx), (attend_metadata.block_table,))
-        return topk, sbt[:n].reshape(n * h, -1), sctx[:n].reshape(n * h)
+        return (topk, *_emitted(attend_metadata, sbt[:n].reshape(n * h, -1), sctx[:n].reshape(n * h)))
 
     def emit_table(self, topk, attend_metadata: MsaMetadata):
         """The attend's page table for `topk` (what SparseAttention.forward takes as
@@ -225,4 +225,11 @@ class Indexer:
         md = attend_metadata
         bt, ctx = self.kernels.run(self.specs.table, topk[:, :n], md.block_table, md.token_req_id, md.token_abs_pos,
                                    out_dtypes=[torch.int32, torch.int32])
-        return bt.reshape(n * h, -1), ctx.reshape(n * h)
+        return _emitted(md, bt.reshape(n * h, -1), ctx.reshape(n * h))
+
+
+def _emitted(attend_metadata, sparse_bt, sparse_ctx):
+    """(sparse_bt, sparse_ctx), recorded in the step's metadata as emitted through its block
+    table, so that the attend does not check them again (MsaMetadata._record_emitted_table)."""
+    attend_metadata._record_emitted_table(sparse_bt, sparse_ctx)
+    return sparse_bt, sparse_ctx

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 import weakref
 
 import numpy as np
@@ -74,6 +75,27 @@ class MsaMetadata:
     # (fewer at a request's end), [tiles] int32 each tile's first token, the requests in order
     # (the GPU indexer's tiled launch); None for a decode-only step
     query_tiles: torch.Tensor | None = None
+    # the page tables msa-iree's Indexer emitted through this step's block table (emit_table,
+    # topk_with_table), by address: what each was when written (_EmittedTable)
+    _emitted: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def _record_emitted_table(self, sparse_bt, sparse_ctx):
+        """A page table [rows, 128] / [rows] int32 emitted through this step's block table: valid
+        by construction for any cache the step's blocks fit (its ids are block table entries the
+        builder checked, its lengths at most 16 blocks), so the attend need not check it again."""
+        self._emitted[sparse_bt.data_ptr()] = _EmittedTable(sparse_bt.shape[0], sparse_bt.stride(), sparse_bt._version,
+                                                            sparse_ctx.data_ptr(), sparse_ctx.shape[0],
+                                                            sparse_ctx._version)
+
+    def _emitted_table_unchanged(self, sparse_bt, sparse_ctx, rows: int) -> bool:
+        """Whether rows [0, rows) of the given table are those of a table emitted for this step,
+        written to by no torch operation since (torch's version counters: a write from outside
+        torch, a raw kernel's, is not seen)."""
+        table = self._emitted.get(sparse_bt.data_ptr())
+        return (table is not None and rows <= table.rows and sparse_bt.stride() == table.stride
+                and sparse_bt.dtype == torch.int32 and sparse_bt._version == table.version
+                and sparse_ctx.data_ptr() == table.ctx_address and rows <= table.ctx_rows
+                and sparse_ctx.dtype == torch.int32 and sparse_ctx._version == table.ctx_version)
 
     def check_cache_blocks(self, num_blocks: int, what="k_cache"):
         """Refuse a cache with fewer blocks than the step references (no sync: ints)."""
@@ -85,6 +107,16 @@ class MsaMetadata:
         if self.max_slot >= capacity:
             raise IndexError(f"slot_mapping: expected slots below {what}'s {capacity} tokens, got {self.max_slot} "
                              "(out of range)")
+
+
+class _EmittedTable(typing.NamedTuple):
+    """An emitted page table as it was written (MsaMetadata._record_emitted_table)."""
+    rows: int
+    stride: tuple
+    version: int
+    ctx_address: int
+    ctx_rows: int
+    ctx_version: int
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
