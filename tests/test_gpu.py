@@ -1140,6 +1140,51 @@ def test_a_layer_attends_an_emitted_table_like_its_top_k_in_one_launch(cuda_kern
                      sparse_context_lens=sctx.to(dev))
 
 
+def test_a_layer_takes_the_table_its_indexer_emitted_for_the_step_without_a_check(cuda_kernels, monkeypatch):
+    """On CUDA, the table the GPU indexer wrote in its own launch (topk_with_table) goes to the
+    attend unchecked (no host sync) and attends as the reference does; written to since, it is
+    checked, and a page past the cache refused."""
+    from msa_iree import checks
+    from msa_iree.layout import allocate_kv_cache
+    from msa_iree.runtime import Indexer, MetadataBuilder, SparseAttention
+
+    checked = []
+    check = checks.check_page_table
+    monkeypatch.setattr(checks, "check_page_table", lambda *a, **kw: checked.append(1) or check(*a, **kw))
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator().manual_seed(34)
+    kc, vc = allocate_kv_cache(8, 1, bf16, fill=0)
+    R.insert_kv(*(torch.randn(8 * 128, 1, 128, generator=gen).to(bf16) for _ in range(2)), kc, vc,
+                torch.arange(8 * 128))
+    index_cache = torch.randn(8, 128, 128, generator=gen).to(bf16)
+    # a decode at position 299 (blocks 5, 2, 7), then a 3-token prefill at positions 127..129 (blocks 1, 4)
+    table = torch.tensor([[5, 2, 7], [1, 4, -1]], dtype=torch.int32)
+    seq, qsl = torch.tensor([300, 130], dtype=torch.int32), torch.tensor([0, 1, 4], dtype=torch.int32)
+    req, pos = torch.tensor([0, 1, 1, 1], dtype=torch.int32), torch.tensor([299, 127, 128, 129], dtype=torch.int32)
+    md = MetadataBuilder(2, 384, num_cache_blocks=8, kernels=cuda_kernels, device=dev).build(
+        table.to(dev), seq.to(dev), qsl.to(dev), (seq - torch.tensor([1, 3], dtype=torch.int32)).to(dev), 1, 1)
+    q = torch.randn(4, 16, 128, generator=gen).to(bf16)
+    index_q = torch.randn(4, 1, 128, generator=gen).to(bf16)
+    topk, sbt, sctx = Indexer(1, bf16, kernels=cuda_kernels).topk_with_table(index_q.to(dev), index_cache.to(dev),
+                                                                              md, md)
+    attn = SparseAttention(16, 1, 128, 128 ** -0.5, bf16, kernels=cuda_kernels)
+    gk, gv = allocate_kv_cache(8, 1, bf16, device=dev)
+    gk.copy_(kc)
+    gv.copy_(vc)
+    attend = lambda: attn.forward(q.to(dev), gk, gv, torch.full((4, 16, 128), float("nan"), dtype=bf16, device=dev),
+                                  topk, md, sparse_block_table=sbt, sparse_context_lens=sctx)
+    want = R.index_topk(index_q, index_cache, table, req, pos)
+    ref = torch.empty_like(q)
+    R.sparse_attn_prefill(q, kc, vc, want, table, req, pos, 1, 128 ** -0.5, ref)
+    assert torch.equal(topk.cpu(), want)
+    _assert_every_row_written_and_close(attend().cpu(), ref, "the indexer's table")
+    assert checked == []
+    sbt[0, 0] = 8 * 16  # the first page past the cache (8 blocks of 16 pages, one KV head)
+    with pytest.raises(IndexError, match="out of range"):
+        attend()
+    assert checked == [1]
+
+
 def test_a_callers_workspace_serves_once_the_layer_zeroed_its_counters(cuda_kernels):
     """SparseAttention(workspace=...): the caller's tensor, NaN everywhere (its arrival counters
     too), shared by two layers, serves a decode step of 8 rows at 16 splits a row (each row
