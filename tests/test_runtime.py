@@ -694,3 +694,18 @@ def test_a_table_the_indexer_emitted_for_the_step_is_not_checked_again_while_unc
     with pytest.raises(IndexError, match="out of range"):
         attend(md, sbt, sctx)
     assert checked == [1, 1, 1]
+
+    # an emitted table's tensors freed, and a new tensor at its address (as an allocator reuses
+    # memory) with as many torch writes as the emission made (one copy each): checked
+    bt_memory, ctx_memory = np.zeros((4, 1, 128), np.int32), np.zeros((4, 1), np.int32)
+    _, sbt, sctx = indexer.topk_with_table(index_q, index_cache, md, md,
+                                           table_out=(torch.from_numpy(bt_memory), torch.from_numpy(ctx_memory)))
+    assert_attend_close(attend(md, sbt, sctx), ref, "the table emitted into the caller's buffers")
+    assert checked == [1, 1, 1]
+    del sbt, sctx
+    reused_bt, reused_ctx = torch.from_numpy(bt_memory).view(4, 128), torch.from_numpy(ctx_memory).view(4)
+    reused_bt[0, 0] = 8 * 16
+    reused_ctx.add_(0)
+    with pytest.raises(IndexError, match="out of range"):
+        attend(md, reused_bt, reused_ctx)
+    assert checked == [1, 1, 1, 1]

@@ -83,16 +83,18 @@ class MsaMetadata:
         """A page table [rows, 128] / [rows] int32 emitted through this step's block table: valid
         by construction for any cache the step's blocks fit (its ids are block table entries the
         builder checked, its lengths at most 16 blocks), so the attend need not check it again."""
-        self._emitted[sparse_bt.data_ptr()] = _EmittedTable(sparse_bt.shape[0], sparse_bt.stride(), sparse_bt._version,
-                                                            sparse_ctx.data_ptr(), sparse_ctx.shape[0],
-                                                            sparse_ctx._version)
+        self._emitted[sparse_bt.data_ptr()] = _EmittedTable(
+            sparse_bt.shape[0], sparse_bt.stride(), sparse_bt._version, _memory_of(sparse_bt), sparse_ctx.data_ptr(),
+            sparse_ctx.shape[0], sparse_ctx._version, _memory_of(sparse_ctx))
 
     def _emitted_table_unchanged(self, sparse_bt, sparse_ctx, rows: int) -> bool:
         """Whether rows [0, rows) of the given table are those of a table emitted for this step,
-        written to by no torch operation since (torch's version counters: a write from outside
-        torch, a raw kernel's, is not seen)."""
+        its memory alive since (so not reused by another tensor at the same address) and written
+        to by no torch operation on it (torch's version counters: a write from outside torch, a
+        raw kernel's, or through another tensor over the same memory is not seen)."""
         table = self._emitted.get(sparse_bt.data_ptr())
-        return (table is not None and rows <= table.rows and sparse_bt.stride() == table.stride
+        return (table is not None and table.memory() is not None and table.ctx_memory() is not None
+                and rows <= table.rows and sparse_bt.stride() == table.stride
                 and sparse_bt.dtype == torch.int32 and sparse_bt._version == table.version
                 and sparse_ctx.data_ptr() == table.ctx_address and rows <= table.ctx_rows
                 and sparse_ctx.dtype == torch.int32 and sparse_ctx._version == table.ctx_version)
@@ -114,9 +116,16 @@ class _EmittedTable(typing.NamedTuple):
     rows: int
     stride: tuple
     version: int
+    memory: weakref.ref  # the tensor whose memory it views (alive: its address is its own)
     ctx_address: int
     ctx_rows: int
     ctx_version: int
+    ctx_memory: weakref.ref
+
+
+def _memory_of(t):
+    """A weak reference to the tensor that owns t's memory (t's base where t is a view)."""
+    return weakref.ref(t if t._base is None else t._base)
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
