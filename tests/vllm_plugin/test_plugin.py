@@ -508,6 +508,9 @@ def test_the_indexer_selects_and_emits_the_attends_table_as_the_reference(plugin
     want_bt, want_ctx = R.build_sparse_block_table_prefill(want, cm.block_table_tensor, req, pos, 16)
     assert torch.equal(impl.sparse_bt_buffer[:n], want_bt) and torch.equal(impl.sparse_ctx_buffer[:n], want_ctx)
     assert impl.sparse_bt_buffer[n:].eq(-7).all() and impl.sparse_ctx_buffer[n:].eq(-7).all()
+    # the attention layer's forward gets these buffers' first rows: the indexer's table for this
+    # step, which it takes without its check (a host sync)
+    assert attend_md.msa._emitted_table_unchanged(impl.sparse_bt_buffer[:n], impl.sparse_ctx_buffer[:n], n)
 
 
 def test_the_indexer_refuses_what_it_does_not_serve(plugin, tp4):
