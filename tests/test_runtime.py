@@ -473,12 +473,14 @@ def test_portable_calls_split_a_step_so_that_each_gathers_a_bounded_amount(host_
 # ---- a bound step (the GPU fast path's serve-or-refuse decision, with stand-in launches) --------
 
 class _RecordingKernel:
-    """A stream kernel's stand-in: its bound launch records (phase, stream, addresses) in `log`."""
+    """A stream kernel's stand-in: its bound launch records (name, stream, addresses) in `log`;
+    `bound` keeps the tensors it was bound with."""
 
     def __init__(self, name, log):
-        self.name, self.log = name, log
+        self.name, self.log, self.bound = name, log, None
 
     def bind(self, args, variable):
+        self.bound = args
         return lambda stream, *addresses: self.log.append((self.name, stream, addresses))
 
 
@@ -603,15 +605,9 @@ def test_a_bound_insert_serves_its_steps_and_sees_a_strided_scale_changed_in_pla
     from msa_iree.runtime import kv_insert
 
     monkeypatch.setattr(kv_insert, "_current_raw_stream", lambda index: 7)
-    log, given = [], []
-
-    def stream_kernel(spec):
-        def bind(tensors, variable):
-            given.extend(tensors)
-            return lambda stream, *addresses: log.append((stream, addresses))
-        return SimpleNamespace(bind=bind)
-
-    kernels = SimpleNamespace(stream_launch=True, stream_kernel=stream_kernel)
+    log = []
+    kernel = _RecordingKernel("insert", log)
+    kernels = SimpleNamespace(stream_launch=True, stream_kernel=lambda spec: kernel)
     step = _steps(3, 3)
     md = step(0)
     k, v = torch.zeros(3, 2, 128, dtype=BF16), torch.zeros(3, 2, 128, dtype=BF16)
@@ -623,8 +619,8 @@ def test_a_bound_insert_serves_its_steps_and_sees_a_strided_scale_changed_in_pla
 
     k_scale.fill_(0.25)
     assert bound(step(46), k, v, *caches, k_scale, None)
-    assert log == [(7, (k.data_ptr(), v.data_ptr()))]
-    assert given[5].stride() == (1, 1) and given[5].flatten().tolist() == [0.25, 0.25]
+    assert log == [("insert", 7, (k.data_ptr(), v.data_ptr()))]
+    assert kernel.bound[5].stride() == (1, 1) and kernel.bound[5].flatten().tolist() == [0.25, 0.25]
 
     log.clear()
     past = step(46)
@@ -664,6 +660,7 @@ def test_a_table_the_indexer_emitted_for_the_step_is_not_checked_again_while_unc
     table = torch.tensor([[5, 2, 7], [1, 4, -1]], dtype=torch.int32)
     seq, qlens = torch.tensor([300, 130], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32)
     qsl = torch.tensor([0, 1, 4], dtype=torch.int32)
+    req, pos = torch.tensor([0, 1, 1, 1], dtype=torch.int32), torch.tensor([299, 127, 128, 129], dtype=torch.int32)
     builder = MetadataBuilder(2, 384, num_cache_blocks=8, kernels=host_kernels)
     md = builder.build(table, seq, qsl, seq - qlens, 1, 1)
     q = torch.randn(4, 16, 128, generator=gen).to(BF16)
@@ -677,14 +674,12 @@ def test_a_table_the_indexer_emitted_for_the_step_is_not_checked_again_while_unc
 
     topk, sbt, sctx = indexer.topk_with_table(index_q, index_cache, md, md)
     ref = torch.empty_like(q)
-    R.sparse_attn_prefill(q, kc, vc, topk, table, torch.tensor([0, 1, 1, 1], dtype=torch.int32),
-                          torch.tensor([299, 127, 128, 129], dtype=torch.int32), 1, 128 ** -0.5, ref, *scales)
+    R.sparse_attn_prefill(q, kc, vc, topk, table, req, pos, 1, 128 ** -0.5, ref, *scales)
     assert_attend_close(attend(md, sbt, sctx), ref, "the emitted table")
     assert_attend_close(attend(md, *indexer.emit_table(topk, md)), ref, "emit_table's")
     assert checked == []
 
-    by_hand = R.build_sparse_block_table_prefill(topk, table, torch.tensor([0, 1, 1, 1], dtype=torch.int32),
-                                                 torch.tensor([299, 127, 128, 129], dtype=torch.int32), 16)
+    by_hand = R.build_sparse_block_table_prefill(topk, table, req, pos, 16)
     other_step = builder.build(table, seq, qsl, seq - qlens, 1, 1)
     assert_attend_close(attend(md, *by_hand), ref, "a table built elsewhere")
     assert_attend_close(attend(other_step, sbt, sctx), ref, "the emitted table with another step's metadata")

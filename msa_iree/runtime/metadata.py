@@ -76,16 +76,14 @@ class MsaMetadata:
     # (the GPU indexer's tiled launch); None for a decode-only step
     query_tiles: torch.Tensor | None = None
     # the page tables msa-iree's Indexer emitted through this step's block table (emit_table,
-    # topk_with_table), by address: what each was when written (_EmittedTable)
+    # topk_with_table), by address: each tensor as it was written (_Written)
     _emitted: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def _record_emitted_table(self, sparse_bt, sparse_ctx):
         """A page table [rows, 128] / [rows] int32 emitted through this step's block table: valid
         by construction for any cache the step's blocks fit (its ids are block table entries the
         builder checked, its lengths at most 16 blocks), so the attend need not check it again."""
-        self._emitted[sparse_bt.data_ptr()] = _EmittedTable(
-            sparse_bt.shape[0], sparse_bt.stride(), sparse_bt._version, _memory_of(sparse_bt), sparse_ctx.data_ptr(),
-            sparse_ctx.shape[0], sparse_ctx._version, _memory_of(sparse_ctx))
+        self._emitted[sparse_bt.data_ptr()] = (_Written.of(sparse_bt), _Written.of(sparse_ctx))
 
     def _emitted_table_unchanged(self, sparse_bt, sparse_ctx, rows: int) -> bool:
         """Whether rows [0, rows) of the given table are those of a table emitted for this step,
@@ -93,11 +91,7 @@ class MsaMetadata:
         to by no torch operation on it (torch's version counters: a write from outside torch, a
         raw kernel's, or through another tensor over the same memory is not seen)."""
         table = self._emitted.get(sparse_bt.data_ptr())
-        return (table is not None and table.memory() is not None and table.ctx_memory() is not None
-                and rows <= table.rows and sparse_bt.stride() == table.stride
-                and sparse_bt.dtype == torch.int32 and sparse_bt._version == table.version
-                and sparse_ctx.data_ptr() == table.ctx_address and rows <= table.ctx_rows
-                and sparse_ctx.dtype == torch.int32 and sparse_ctx._version == table.ctx_version)
+        return table is not None and table[0].holds(sparse_bt, rows) and table[1].holds(sparse_ctx, rows)
 
     def check_cache_blocks(self, num_blocks: int, what="k_cache"):
         """Refuse a cache with fewer blocks than the step references (no sync: ints)."""
@@ -111,21 +105,22 @@ class MsaMetadata:
                              "(out of range)")
 
 
-class _EmittedTable(typing.NamedTuple):
-    """An emitted page table as it was written (MsaMetadata._record_emitted_table)."""
+class _Written(typing.NamedTuple):
+    """An int32 tensor as an emitter left it (MsaMetadata._record_emitted_table)."""
+    address: int
     rows: int
     stride: tuple
     version: int
-    memory: weakref.ref  # the tensor whose memory it views (alive: its address is its own)
-    ctx_address: int
-    ctx_rows: int
-    ctx_version: int
-    ctx_memory: weakref.ref
+    memory: weakref.ref  # the tensor owning its memory (alive: the address is still its own)
 
+    @classmethod
+    def of(cls, t):
+        return cls(t.data_ptr(), t.shape[0], t.stride(), t._version, weakref.ref(t if t._base is None else t._base))
 
-def _memory_of(t):
-    """A weak reference to the tensor that owns t's memory (t's base where t is a view)."""
-    return weakref.ref(t if t._base is None else t._base)
+    def holds(self, t, rows: int) -> bool:
+        """Whether t's first `rows` rows are this tensor's, unchanged since."""
+        return (self.memory() is not None and t.data_ptr() == self.address and rows <= self.rows
+                and t.stride() == self.stride and t.dtype == torch.int32 and t._version == self.version)
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
