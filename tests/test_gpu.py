@@ -1185,6 +1185,69 @@ def test_a_layer_takes_the_table_its_indexer_emitted_for_the_step_without_a_chec
     assert checked == [1]
 
 
+def test_a_decode_step_of_indexer_and_attend_over_its_table_replays_from_a_cuda_graph(cuda_kernels, monkeypatch):
+    """vLLM's decode graphs with msa-iree's indexer: the indexer's top-k and table (into the
+    caller's buffers) and the attend over that table, captured once (no check of the table, so no
+    host sync inside the capture), then replayed after the next step's metadata was built into the
+    same buffers, with new queries and a block moved: every row is the next step's reference."""
+    from msa_iree import checks
+    from msa_iree.layout import allocate_kv_cache
+    from msa_iree.runtime import Indexer, MetadataBuilder, SparseAttention
+
+    checked = []
+    check = checks.check_page_table
+    monkeypatch.setattr(checks, "check_page_table", lambda *a, **kw: checked.append(1) or check(*a, **kw))
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator().manual_seed(36)
+    kc, vc = allocate_kv_cache(8, 1, bf16, fill=0)
+    R.insert_kv(*(torch.randn(8 * 128, 1, 128, generator=gen).to(bf16) for _ in range(2)), kc, vc,
+                torch.arange(8 * 128))
+    index_cache = torch.randn(8, 128, 128, generator=gen).to(bf16)
+    gk, gv = allocate_kv_cache(8, 1, bf16, device=dev)
+    gk.copy_(kc)
+    gv.copy_(vc)
+    builder = MetadataBuilder(2, 640, num_cache_blocks=8, kernels=cuda_kernels, device=dev)
+    # two decodes, at positions 299 / 511 then 300 / 512 (the second request's fifth block); the
+    # second step moves the first request's first block from 5 to 6
+    tables = [torch.tensor([[5, 2, 7, -1, -1], [1, 4, 0, 3, -1]], dtype=torch.int32),
+              torch.tensor([[6, 2, 7, -1, -1], [1, 4, 0, 3, 5]], dtype=torch.int32)]
+    seqs = [torch.tensor([300, 512], dtype=torch.int32), torch.tensor([301, 513], dtype=torch.int32)]
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32).to(dev)
+    build = lambda i: builder.build(tables[i].to(dev), seqs[i].to(dev), qsl, (seqs[i] - 1).to(dev), 1, 2)
+    indexer = Indexer(1, bf16, kernels=cuda_kernels)
+    attn = SparseAttention(16, 1, 128, 128 ** -0.5, bf16, kernels=cuda_kernels)
+    q, index_q = torch.empty(2, 16, 128, dtype=bf16, device=dev), torch.empty(2, 1, 128, dtype=bf16, device=dev)
+    out, topk = torch.empty_like(q), torch.empty(1, 2, 16, dtype=torch.int32, device=dev)
+    table_out = torch.empty(2, 1, 128, dtype=torch.int32, device=dev), torch.empty(2, 1, dtype=torch.int32, device=dev)
+    index_cache_dev = index_cache.to(dev)
+
+    def step(md):
+        _, sbt, sctx = indexer.topk_with_table(index_q, index_cache_dev, md, md, out=topk, table_out=table_out)
+        attn.forward(q, gk, gv, out, topk, md, sparse_block_table=sbt, sparse_context_lens=sctx)
+
+    md = build(0)
+    q.normal_()
+    index_q.normal_()
+    step(md)  # outside the capture first: launch plans, workspaces
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(md)
+    assert checked == []
+    build(1)  # the next step's metadata, into the buffers the graph reads
+    q.copy_(torch.randn(2, 16, 128, generator=gen).to(bf16))
+    index_q.copy_(torch.randn(2, 1, 128, generator=gen).to(bf16))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    req, pos = torch.tensor([0, 1], dtype=torch.int32), seqs[1] - 1
+    want = R.index_topk(index_q.cpu(), index_cache, tables[1], req, pos)
+    assert torch.equal(topk.cpu(), want)
+    ref = torch.empty(2, 16, 128, dtype=bf16)
+    R.sparse_attn_prefill(q.cpu(), kc, vc, want, tables[1], req, pos, 1, 128 ** -0.5, ref)
+    _assert_every_row_written_and_close(out.cpu(), ref, "the replayed step")
+
+
 def test_a_callers_workspace_serves_once_the_layer_zeroed_its_counters(cuda_kernels):
     """SparseAttention(workspace=...): the caller's tensor, NaN everywhere (its arrival counters
     too), shared by two layers, serves a decode step of 8 rows at 16 splits a row (each row
