@@ -11,7 +11,8 @@ a HIP graph cannot capture it. For the in-place GPU kernels (`spec.written_opera
 launches the same code object with `hipModuleLaunchKernel` on torch's current stream instead,
 with the grid, push constants and bindings IREE's host code would compute (runtime/launch_plan.py
 interprets `main` as IREE lowered it): queued, not waited for, and capturable. The HIP calls go
-through ctypes on libamdhip64 (the few a launch needs: load, lookup, launch, error name).
+through ctypes on libamdhip64 (the few a launch needs: load, lookup, launch, error name), not
+hip-python, whose launch could not be measured here (benchmarks/PERF.md, decision record).
 """
 from __future__ import annotations
 
