@@ -693,8 +693,12 @@ def test_a_table_the_indexer_emitted_for_the_step_is_not_checked_again_while_unc
     # an emitted table's tensors freed, and a new tensor at its address (as an allocator reuses
     # memory) with as many torch writes as the emission made (one copy each): checked
     bt_memory, ctx_memory = np.zeros((4, 1, 128), np.int32), np.zeros((4, 1), np.int32)
+    recorded = []
+    record = md._record_emitted_table
+    monkeypatch.setattr(md, "_record_emitted_table", lambda bt, ctx: recorded.append(bt.data_ptr()) or record(bt, ctx))
     _, sbt, sctx = indexer.topk_with_table(index_q, index_cache, md, md,
                                            table_out=(torch.from_numpy(bt_memory), torch.from_numpy(ctx_memory)))
+    assert recorded == [bt_memory.ctypes.data]  # the caller's buffers alone, not the portable kernel's own table
     assert_attend_close(attend(md, sbt, sctx), ref, "the table emitted into the caller's buffers")
     assert checked == [1, 1, 1]
     del sbt, sctx

@@ -185,9 +185,9 @@ class Indexer:
         spec = self._gpu_spec(metadata, q, emit_table=True)
         if spec is None:  # the portable kernels, one after the other
             topk = self.topk(index_q, index_cache, metadata, out=out)
-            sbt, sctx = self.emit_table(topk, attend_metadata)
+            sbt, sctx = self._table(topk, attend_metadata)
             if table_out is None:
-                return topk, sbt, sctx
+                return (topk, *_emitted(attend_metadata, sbt, sctx))
             n, h = q.shape[0], self.cfg.num_kv_heads
             sbt_out = self._output_buffer("sparse_bt", table_out[0], (n, h, sbt.shape[1]), sbt.device)
             sctx_out = self._output_buffer("sparse_ctx", table_out[1], (n, h), sctx.device)
@@ -215,6 +215,10 @@ class Indexer:
         sparse_block_table / sparse_context_lens, so that it builds none): [tokens * H, 128] and
         [tokens * H] int32, through the *attention* group's metadata (its block table, every
         token's request and position), as reference.build_sparse_block_table_prefill."""
+        return _emitted(attend_metadata, *self._table(topk, attend_metadata))
+
+    def _table(self, topk, attend_metadata):
+        """emit_table's tables, not yet recorded in the metadata."""
         if not isinstance(attend_metadata, MsaMetadata):
             raise TypeError(f"attend_metadata: expected the attention group's MsaMetadata, "
                             f"got {type(attend_metadata).__name__}")
@@ -225,7 +229,7 @@ class Indexer:
         md = attend_metadata
         bt, ctx = self.kernels.run(self.specs.table, topk[:, :n], md.block_table, md.token_req_id, md.token_abs_pos,
                                    out_dtypes=[torch.int32, torch.int32])
-        return _emitted(md, bt.reshape(n * h, -1), ctx.reshape(n * h))
+        return bt.reshape(n * h, -1), ctx.reshape(n * h)
 
 
 def _emitted(attend_metadata, sparse_bt, sparse_ctx):
