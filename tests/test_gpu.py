@@ -1140,23 +1140,37 @@ def test_a_layer_attends_an_emitted_table_like_its_top_k_in_one_launch(cuda_kern
                      sparse_context_lens=sctx.to(dev))
 
 
+def _counted_page_table_checks(monkeypatch) -> list:
+    """checks.check_page_table, each call of it appended to the list returned (then run)."""
+    from msa_iree import checks
+
+    checked, check = [], checks.check_page_table
+    monkeypatch.setattr(checks, "check_page_table", lambda *a, **kw: checked.append(1) or check(*a, **kw))
+    return checked
+
+
+def _random_one_head_caches(gen):
+    """(k_cache, v_cache, index_cache) on the host, bf16: 8 blocks of one KV head, every slot's
+    key and value random; 8 random index-cache blocks."""
+    from msa_iree.layout import allocate_kv_cache
+
+    kc, vc = allocate_kv_cache(8, 1, torch.bfloat16, fill=0)
+    R.insert_kv(*(torch.randn(8 * 128, 1, 128, generator=gen).to(torch.bfloat16) for _ in range(2)), kc, vc,
+                torch.arange(8 * 128))
+    return kc, vc, torch.randn(8, 128, 128, generator=gen).to(torch.bfloat16)
+
+
 def test_a_layer_takes_the_table_its_indexer_emitted_for_the_step_without_a_check(cuda_kernels, monkeypatch):
     """On CUDA, the table the GPU indexer wrote in its own launch (topk_with_table) goes to the
     attend unchecked (no host sync) and attends as the reference does; written to since, it is
     checked, and a page past the cache refused."""
-    from msa_iree import checks
     from msa_iree.layout import allocate_kv_cache
     from msa_iree.runtime import Indexer, MetadataBuilder, SparseAttention
 
-    checked = []
-    check = checks.check_page_table
-    monkeypatch.setattr(checks, "check_page_table", lambda *a, **kw: checked.append(1) or check(*a, **kw))
+    checked = _counted_page_table_checks(monkeypatch)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator().manual_seed(34)
-    kc, vc = allocate_kv_cache(8, 1, bf16, fill=0)
-    R.insert_kv(*(torch.randn(8 * 128, 1, 128, generator=gen).to(bf16) for _ in range(2)), kc, vc,
-                torch.arange(8 * 128))
-    index_cache = torch.randn(8, 128, 128, generator=gen).to(bf16)
+    kc, vc, index_cache = _random_one_head_caches(gen)
     # a decode at position 299 (blocks 5, 2, 7), then a 3-token prefill at positions 127..129 (blocks 1, 4)
     table = torch.tensor([[5, 2, 7], [1, 4, -1]], dtype=torch.int32)
     seq, qsl = torch.tensor([300, 130], dtype=torch.int32), torch.tensor([0, 1, 4], dtype=torch.int32)
@@ -1190,19 +1204,13 @@ def test_a_decode_step_of_indexer_and_attend_over_its_table_replays_from_a_cuda_
     caller's buffers) and the attend over that table, captured once (no check of the table, so no
     host sync inside the capture), then replayed after the next step's metadata was built into the
     same buffers, with new queries and a block moved: every row is the next step's reference."""
-    from msa_iree import checks
     from msa_iree.layout import allocate_kv_cache
     from msa_iree.runtime import Indexer, MetadataBuilder, SparseAttention
 
-    checked = []
-    check = checks.check_page_table
-    monkeypatch.setattr(checks, "check_page_table", lambda *a, **kw: checked.append(1) or check(*a, **kw))
+    checked = _counted_page_table_checks(monkeypatch)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator().manual_seed(36)
-    kc, vc = allocate_kv_cache(8, 1, bf16, fill=0)
-    R.insert_kv(*(torch.randn(8 * 128, 1, 128, generator=gen).to(bf16) for _ in range(2)), kc, vc,
-                torch.arange(8 * 128))
-    index_cache = torch.randn(8, 128, 128, generator=gen).to(bf16)
+    kc, vc, index_cache = _random_one_head_caches(gen)
     gk, gv = allocate_kv_cache(8, 1, bf16, device=dev)
     gk.copy_(kc)
     gv.copy_(vc)
