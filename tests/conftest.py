@@ -16,3 +16,14 @@ def host_kernels():
     from msa_iree.runtime import KernelLibrary
 
     return KernelLibrary("host", compile_missing=True, log=lambda msg: None)
+
+
+@pytest.fixture
+def page_table_checks(monkeypatch):
+    """The calls of checks.check_page_table (the attend's check of a given page table, a host
+    sync) during the test: one entry appended per call, the check then run as before."""
+    from msa_iree import checks
+
+    checked, check = [], checks.check_page_table
+    monkeypatch.setattr(checks, "check_page_table", lambda *a, **kw: checked.append(1) or check(*a, **kw))
+    return checked

@@ -1140,15 +1140,6 @@ def test_a_layer_attends_an_emitted_table_like_its_top_k_in_one_launch(cuda_kern
                      sparse_context_lens=sctx.to(dev))
 
 
-def _counted_page_table_checks(monkeypatch) -> list:
-    """checks.check_page_table, each call of it appended to the list returned (then run)."""
-    from msa_iree import checks
-
-    checked, check = [], checks.check_page_table
-    monkeypatch.setattr(checks, "check_page_table", lambda *a, **kw: checked.append(1) or check(*a, **kw))
-    return checked
-
-
 def _random_one_head_caches(gen):
     """(k_cache, v_cache, index_cache) on the host, bf16: 8 blocks of one KV head, every slot's
     key and value random; 8 random index-cache blocks."""
@@ -1160,14 +1151,14 @@ def _random_one_head_caches(gen):
     return kc, vc, torch.randn(8, 128, 128, generator=gen).to(torch.bfloat16)
 
 
-def test_a_layer_takes_the_table_its_indexer_emitted_for_the_step_without_a_check(cuda_kernels, monkeypatch):
+def test_a_layer_takes_the_table_its_indexer_emitted_for_the_step_without_a_check(cuda_kernels, page_table_checks):
     """On CUDA, the table the GPU indexer wrote in its own launch (topk_with_table) goes to the
     attend unchecked (no host sync) and attends as the reference does; written to since, it is
     checked, and a page past the cache refused."""
     from msa_iree.layout import allocate_kv_cache
     from msa_iree.runtime import Indexer, MetadataBuilder, SparseAttention
 
-    checked = _counted_page_table_checks(monkeypatch)
+    checked = page_table_checks
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator().manual_seed(34)
     kc, vc, index_cache = _random_one_head_caches(gen)
@@ -1199,7 +1190,7 @@ def test_a_layer_takes_the_table_its_indexer_emitted_for_the_step_without_a_chec
     assert checked == [1]
 
 
-def test_a_decode_step_of_indexer_and_attend_over_its_table_replays_from_a_cuda_graph(cuda_kernels, monkeypatch):
+def test_a_decode_step_of_indexer_and_attend_over_its_table_replays_from_a_cuda_graph(cuda_kernels, page_table_checks):
     """vLLM's decode graphs with msa-iree's indexer: the indexer's top-k and table (into the
     caller's buffers) and the attend over that table, captured once (no check of the table, so no
     host sync inside the capture), then replayed after the next step's metadata was built into the
@@ -1207,7 +1198,7 @@ def test_a_decode_step_of_indexer_and_attend_over_its_table_replays_from_a_cuda_
     from msa_iree.layout import allocate_kv_cache
     from msa_iree.runtime import Indexer, MetadataBuilder, SparseAttention
 
-    checked = _counted_page_table_checks(monkeypatch)
+    checked = page_table_checks
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator().manual_seed(36)
     kc, vc, index_cache = _random_one_head_caches(gen)

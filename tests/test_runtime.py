@@ -639,17 +639,15 @@ def test_a_bound_insert_serves_its_steps_and_sees_a_strided_scale_changed_in_pla
     assert log == []
 
 
-def test_a_table_the_indexer_emitted_for_the_step_is_not_checked_again_while_unchanged(host_kernels, monkeypatch):
+def test_a_table_the_indexer_emitted_for_the_step_is_not_checked_again_while_unchanged(host_kernels, monkeypatch,
+                                                                                     page_table_checks):
     """A page table msa-iree's Indexer emitted through the step's metadata (topk_with_table,
     emit_table) is valid by construction: the attend takes it without its per-call check (a host
     sync), and attends as the reference does. Written to since, another step's, or built
     elsewhere, the attend checks it (and refuses an id past the cache)."""
-    from msa_iree import checks
     from msa_iree.runtime import Indexer
 
-    checked = []
-    check = checks.check_page_table
-    monkeypatch.setattr(checks, "check_page_table", lambda *a, **kw: checked.append(1) or check(*a, **kw))
+    checked = page_table_checks
     gen = torch.Generator().manual_seed(32)
     scales = torch.tensor([0.05]), torch.tensor([0.04])
     kc, vc = allocate_kv_cache(8, 1, FNUZ, "interleaved", fill=0)
