@@ -4,8 +4,7 @@
 step. --insert says how a layer inserts: "forward" (the default) passes them to `forward(key=,
 value=)`, which on a decode step writes them inside the attend's own launch (one launch a layer,
 a kernel fewer in a captured step; a mixed step inserts first); "separate" calls `insert_kv`,
-then `forward`. The step runs on a stream of its own, as vLLM's worker runs its model (--stream
-default: torch's legacy default stream, on which the builder copies its inputs one call at a time).
+then `forward`.
 
 Cases: decode B x context x query heads per KV head x KV dtype (every request `context` tokens,
 one new), and a mixed step (one 2K-token prefill chunk, the last 2048 tokens of a 4K request,
@@ -223,9 +222,6 @@ def main(argv=None):
     p.add_argument("--max-model-len", type=int, default=0,
                    help="the block table's width in tokens, as vLLM's (default: each case's context)")
     p.add_argument("--pool-gib", type=float, default=16.0, help="the layers' caches at most this much")
-    p.add_argument("--stream", default="own", choices=("own", "default"),
-                   help="own: the step on a stream of its own, as vLLM's worker runs its model; default: torch's "
-                        "default (legacy) stream")
     p.add_argument("--insert", default="forward", help=f"how layers insert, one row per mode: {','.join(INSERT_MODES)}")
     add_launch_args(p)
     p.add_argument("--json", help="write the rows here")
@@ -240,8 +236,6 @@ def main(argv=None):
     if not torch.cuda.is_available():
         p.error("the serving step is measured on a CUDA device; none is visible")
     device = torch.device("cuda")
-    if a.stream == "own":
-        torch.cuda.set_stream(torch.cuda.Stream(device))
     lib = KernelLibrary("cuda", a.build_dir, compile_missing=False, **launch_options(a))
     ints = lambda s: [int(x) for x in s.split(",") if x]
     modes = a.insert.split(",")
@@ -258,7 +252,7 @@ def main(argv=None):
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "command": "python -m benchmarks.serving_step "
-                           + " ".join(argv if argv is not None else sys.argv[1:]), "stream": a.stream, "rows": rows}, f, indent=1)
+                           + " ".join(argv if argv is not None else sys.argv[1:]), "rows": rows}, f, indent=1)
 
     for kv, hq, b, ctx, chunk, mode in cases:
         case = ServingCase(lib, device, b, ctx, hq, kv, chunk, a.pool_gib, insert=mode, max_model_len=a.max_model_len)

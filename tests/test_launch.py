@@ -265,69 +265,6 @@ def test_a_kernel_past_48_kib_of_shared_memory_opts_in(build, monkeypatch):
         real.allow_shared(ctypes.c_void_p(7), 64 * 1024)
 
 
-class _CopyLib:
-    """libcuda's copy calls as the driver makes them (CPU stand-in): records each cuMemcpyAsync's
-    (destination, source, bytes, stream) and each cuMemcpyBatchAsync's arguments as read from its
-    arrays; `form`: which batch entry point the driver has (None, "v2" without failIdx, "v1" with)."""
-
-    def __init__(self, form, rc=0):
-        self.single, self.batches, self.rc = [], [], rc
-        if form == "v2":
-            self.cuMemcpyBatchAsync_v2 = self._batch(fail_index=False)
-        elif form == "v1":
-            self.cuMemcpyBatchAsync = self._batch(fail_index=True)
-
-    def cuMemcpyAsync(self, dst, src, nbytes, stream):  # noqa: N802 - CUDA's name
-        self.single.append((dst, src, nbytes, stream))
-        return 0
-
-    def cuGetErrorName(self, rc, name):  # noqa: N802 - CUDA's name
-        return 0
-
-    def _batch(self, fail_index):
-        def call(dsts, srcs, sizes, count, attrs, attrs_index, num_attrs, *rest):
-            assert len(rest) == (2 if fail_index else 1)
-            copies = [(dsts[i], srcs[i], sizes[i]) for i in range(count)]
-            self.batches.append((copies, [(a.srcAccessOrder, list(a.srcLocHint), list(a.dstLocHint), a.flags)
-                                          for a in attrs[:num_attrs]], list(attrs_index[:num_attrs]), rest[-1]))
-            return self.rc
-        return call
-
-
-@pytest.mark.parametrize("form", [None, "v2", "v1"])
-def test_the_drivers_copies_go_out_as_one_batch_off_the_legacy_stream(form):
-    """copy_all: one cuMemcpyBatchAsync (CUDA 13's form without failIdx, or 12.8's with it) of
-    every copy, each source read in stream order, on a stream of the caller's own; one
-    cuMemcpyAsync each on the legacy default stream (as 0 or CU_STREAM_LEGACY), which the batch
-    call refuses, for a single copy, and where the driver has no batch call; more copies than
-    its arrays hold in one batch; a failed batch raises with the call's name."""
-    from msa_iree.runtime import cuda_launch
-
-    lib = _CopyLib(form)
-    driver = object.__new__(cuda_launch.CudaDriver)
-    driver.lib, driver.batch = lib, cuda_launch._batch_copy_entry(lib)
-    driver._batch_args = cuda_launch._BatchArgs(8)
-    assert (driver.batch is None) == (form is None)
-    six = [(1000 + 64 * i, 5000 + 128 * i, 4 * (i + 1)) for i in range(6)]
-    for stream in (0, 1):
-        driver.copy_all(six, stream)
-    driver.copy_all(six[:1], 77)
-    assert lib.single == [c + (s,) for s in (0, 1) for c in six] + [six[0] + (77,)]
-    lib.single.clear()
-    nine = [(1 << 40 | i, 1 << 41 | i, 1 << 33 | i) for i in range(9)]
-    driver.copy_all(six, 77)
-    driver.copy_all(nine, 78)
-    if form is None:
-        assert lib.single == [c + (77,) for c in six] + [c + (78,) for c in nine] and not lib.batches
-        return
-    in_stream_order = [(1, [0, 0], [0, 0], 0)]  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, no hints
-    assert not lib.single
-    assert lib.batches == [(six, in_stream_order, [0], 77), (nine, in_stream_order, [0], 78)]
-    lib.rc = 1
-    with pytest.raises(RuntimeError, match="cuMemcpyBatchAsync"):
-        driver.copy_all(six, 77)
-
-
 def _mma_operands(tokens, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(tokens, 16, 128, generator=g).bfloat16(), torch.zeros(64, 2048, dtype=torch.bfloat16),

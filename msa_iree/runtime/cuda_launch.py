@@ -125,7 +125,6 @@ class CudaDriver:
     """The CUDA driver calls a launch needs (libcuda through ctypes; torch made its context current)."""
 
     _lib = None
-    _batch = None  # (cuMemcpyBatchAsync, whether it takes failIdx), where the driver has one
 
     def __init__(self):
         if CudaDriver._lib is None:
@@ -133,16 +132,12 @@ class CudaDriver:
             # (destination, source, bytes, stream); pointers as ints (device) or ints / None (host)
             for name in ("cuMemcpyDtoHAsync_v2", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoDAsync_v2"):
                 getattr(lib, name).argtypes = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
-            lib.cuMemcpyAsync.argtypes = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
             lib.cuMemcpy2DAsync_v2.argtypes = (ctypes.POINTER(_Memcpy2D), ctypes.c_void_p)
-            CudaDriver._batch = _batch_copy_entry(lib)
             lib.cuStreamSynchronize.argtypes = (ctypes.c_void_p,)
             lib.cuGraphLaunch.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
             lib.cuEventRecord.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
             lib.cuEventSynchronize.argtypes = (ctypes.c_void_p,)
         self.lib = CudaDriver._lib
-        self.batch = CudaDriver._batch
-        self._batch_args = _BatchArgs(8)
 
     def check(self, rc: int, what: str):
         if rc != 0:
@@ -170,26 +165,6 @@ class CudaDriver:
 
     def copy_on_device(self, dst: int, src: int, nbytes: int, stream: int):
         self.check(self.lib.cuMemcpyDtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
-
-    def copy_all(self, copies, stream: int):
-        """[(destination, source, bytes)] copies of plain memory in stream order, in no order among
-        themselves (addresses as ints, host memory pinned; unified addressing tells host from
-        device): one cuMemcpyBatchAsync where the driver has it and `stream` is not the legacy
-        default stream, which that call refuses; else one cuMemcpyAsync each. A batch of six costs
-        the host less than half what six calls do (benchmarks/PERF.md, decision record)."""
-        if self.batch is None or stream in _LEGACY_STREAMS or len(copies) < 2:
-            for dst, src, nbytes in copies:
-                self.check(self.lib.cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
-            return
-        if len(copies) > self._batch_args.capacity:
-            self._batch_args = _BatchArgs(len(copies))
-        a = self._batch_args
-        for i, (dst, src, nbytes) in enumerate(copies):
-            a.dsts[i], a.srcs[i], a.sizes[i] = dst, src, nbytes
-        fn, takes_fail_index = self.batch
-        head = (a.dsts, a.srcs, a.sizes, len(copies), a.attrs, a.attrs_index, 1)
-        rc = fn(*head, ctypes.byref(a.fail_index), stream) if takes_fail_index else fn(*head, stream)
-        self.check(rc, "cuMemcpyBatchAsync")
 
     def copy_rows_to_host(self, host: int, device: int, row_bytes: int, pitch: int, rows: int, stream: int):
         """rows x row_bytes from device memory whose rows start `pitch` bytes apart, packed."""
@@ -235,41 +210,6 @@ class _Memcpy2D(ctypes.Structure):  # CUDA_MEMCPY2D (cuda.h)
                 ("Height", ctypes.c_size_t)]
 
 
-class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes: an access order, two CUmemLocation hints, flags
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", ctypes.c_int * 2), ("dstLocHint", ctypes.c_int * 2),
-                ("flags", ctypes.c_uint)]
-
-
-class _BatchArgs:
-    """cuMemcpyBatchAsync's arrays for up to `capacity` copies, every copy under one attribute:
-    its source read in stream order (no location hints)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.dsts = (ctypes.c_uint64 * capacity)()
-        self.srcs = (ctypes.c_uint64 * capacity)()
-        self.sizes = (ctypes.c_size_t * capacity)()
-        self.attrs = (_MemcpyAttributes * 1)(_MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM))
-        self.attrs_index = (ctypes.c_size_t * 1)(0)
-        self.fail_index = ctypes.c_size_t(0)
-
-
-def _batch_copy_entry(lib):
-    """(cuMemcpyBatchAsync, whether it takes failIdx) from libcuda, or None where the driver
-    predates it (CUDA 12.8). CUDA 13 dropped failIdx from the call (the `_v2` symbol); the
-    12.8 form stays under the plain name."""
-    for name, takes_fail_index in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
-        fn = getattr(lib, name, None)
-        if fn is not None:
-            fn.argtypes = ((ctypes.POINTER(ctypes.c_uint64),) * 2 + (ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
-                           ctypes.POINTER(_MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t)
-                           + ((ctypes.POINTER(ctypes.c_size_t),) if takes_fail_index else ()) + (ctypes.c_void_p,))
-            return fn, takes_fail_index
-    return None
-
-
-_SRC_ACCESS_ORDER_STREAM = 1  # CUmemcpySrcAccessOrder (cuda.h)
-_LEGACY_STREAMS = (0, 1)  # the legacy default stream: as 0 (torch's default stream) and CU_STREAM_LEGACY
 _MEMORYTYPE_HOST, _MEMORYTYPE_DEVICE = 1, 2  # CUmemorytype (cuda.h)
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute (cuda.h)
 _EVENT_DISABLE_TIMING = 2  # CUevent_flags (cuda.h)

@@ -750,29 +750,28 @@ class MetadataBuilder:
                 and block_table.device.index == torch.cuda.current_device()):
             slot_bytes = 0 if slot_mapping is None else slot_mapping.element_size()
             inputs = self._copied_inputs(b, cols, n_slots, slot_bytes, used)
-            copies = [(inputs.qsl_at, qsl.data_ptr(), 4 * (b + 1))]
+            driver.copy_to_host(inputs.qsl_at, qsl.data_ptr(), 4 * (b + 1), stream)
             if b:  # (an empty tensor may have no address)
-                copies += [(inputs.seq_at, seq_lens.data_ptr(), 4 * b), (inputs.computed_at, computed.data_ptr(), 4 * b)]
+                driver.copy_to_host(inputs.seq_at, seq_lens.data_ptr(), 4 * b, stream)
+                driver.copy_to_host(inputs.computed_at, computed.data_ptr(), 4 * b, stream)
             if n_slots:
-                copies.append((inputs.slots_at, slot_mapping.data_ptr(), n_slots * slot_bytes))
+                driver.copy_to_host(inputs.slots_at, slot_mapping.data_ptr(), n_slots * slot_bytes, stream)
             if b * used <= _HOST_CHECK_IDS:
                 if inputs.table_bytes:
                     if not inputs.trimmed:
-                        copies.append((inputs.table_at, block_table.data_ptr(), inputs.table_bytes))
+                        driver.copy_to_host(inputs.table_at, block_table.data_ptr(), inputs.table_bytes, stream)
                     elif inputs.row_bytes:
                         driver.copy_rows_to_host(inputs.table_at, block_table.data_ptr(), inputs.row_bytes,
                                                  inputs.pitch, b, stream)
-                    copies.append((inputs.stage_at, block_table.data_ptr(), inputs.table_bytes))
-                driver.copy_all(copies, stream)
+                    driver.copy_on_device(inputs.stage_at, block_table.data_ptr(), inputs.table_bytes, stream)
                 driver.synchronize(stream)
                 return inputs, None
             # the host waits for the small inputs only; the extremes are read after the stream's
             # synchronize (build), the graph running meanwhile
-            driver.copy_all(copies, stream)
             check = self._device_check(b, cols)
             driver.record(self._inputs_copied, stream)
-            driver.copy_all([(inputs.stage_at, block_table.data_ptr(), inputs.table_bytes),
-                             (check.seq_lens_at, seq_lens.data_ptr(), 4 * b)], stream)
+            driver.copy_on_device(inputs.stage_at, block_table.data_ptr(), inputs.table_bytes, stream)
+            driver.copy_on_device(check.seq_lens_at, seq_lens.data_ptr(), 4 * b, stream)
             check.launch(driver, stream)
             driver.copy_to_host(inputs.table_at, check.extremes_at, 8, stream)
             driver.wait(self._inputs_copied)
