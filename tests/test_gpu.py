@@ -347,6 +347,34 @@ def test_the_builder_on_cuda_gives_the_hosts_metadata(cuda_kernels, writer, bloc
                 assert got[name] == value, (i, name)
 
 
+_FIRST_IN_ITS_PROCESS = """
+import torch
+from msa_iree.runtime import MetadataBuilder
+
+b = MetadataBuilder(4, 4096, num_cache_blocks=200, device="cuda")  # nothing has touched the GPU before
+table = torch.randperm(200, generator=torch.Generator().manual_seed(2))[:4 * 32].view(4, 32).int()
+seq = torch.tensor([300, 129, 4096, 1], dtype=torch.int32)
+qsl = torch.arange(5, dtype=torch.int32)
+args = (table, seq, qsl, seq - 1, 1, 4)
+on_host = MetadataBuilder(4, 4096, num_cache_blocks=200).build(*args)
+on_cuda = b.build(*(t.cuda() if isinstance(t, torch.Tensor) else t for t in args))
+assert torch.equal(on_cuda.decode.page16_block_table.cpu(), on_host.decode.page16_block_table)
+assert torch.equal(on_cuda.token_abs_pos.cpu(), on_host.token_abs_pos)
+print("built")
+"""
+
+
+def test_a_builder_made_first_in_its_process_builds_on_cuda(cuda_kernels):
+    """A MetadataBuilder on CUDA made before anything else in its process touched the GPU (no
+    context current on its thread until its own buffers are allocated) builds a decode step whose
+    tables and positions are the host builder's."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _FIRST_IN_ITS_PROCESS], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "built", run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("cols", [48, 4608])
 def test_the_builder_on_cuda_refuses_the_ids_the_host_refuses(cuda_kernels, cols):
     """A block id below 0 or past num_cache_blocks in a column a request uses is refused by the

@@ -443,12 +443,14 @@ class MetadataBuilder:
         self._copy_stream = None  # on a GPU: the stream of the last copy of the derived values to the device
         self._driver = _copy_driver(self.device)
         self._checks = {}  # (reqs, cols) -> _DeviceCheck (CUDA)
-        if self._driver is not None:  # recorded after the copies of what the host reads first
-            self._inputs_copied = self._driver.event()
-            weakref.finalize(self, self._driver.lib.cuEventDestroy_v2, self._inputs_copied)
         tokens = max_num_tokens or max_num_seqs * 8
         self._allocate_inputs(_InputLayout.size(max_num_seqs, self.max_cols, tokens))
         self._allocate_derived(tokens)
+        # after the first device allocation, which makes torch's context current on this thread:
+        # the driver's calls need it, and a builder may be the first thing in a process on the GPU
+        if self._driver is not None:  # recorded after the copies of what the host reads first
+            self._inputs_copied = self._driver.event()
+            weakref.finalize(self, self._driver.lib.cuEventDestroy_v2, self._inputs_copied)
 
     # ---- the buffers: on a GPU each with a pinned host twin, on the host the buffer itself ----
 
