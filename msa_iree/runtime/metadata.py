@@ -270,6 +270,9 @@ def _copy_driver(device):
     if device.type != "cuda" or torch.version.hip is not None:
         return None
     from .cuda_launch import CudaDriver
+    # a runtime call that needs the device's context makes torch's (the primary) current on this
+    # thread, which the driver's calls use: a builder may be the first GPU work of its process
+    torch.cuda.synchronize(device)
     return CudaDriver()
 
 
@@ -446,8 +449,6 @@ class MetadataBuilder:
         tokens = max_num_tokens or max_num_seqs * 8
         self._allocate_inputs(_InputLayout.size(max_num_seqs, self.max_cols, tokens))
         self._allocate_derived(tokens)
-        # after the first device allocation, which makes torch's context current on this thread:
-        # the driver's calls need it, and a builder may be the first thing in a process on the GPU
         if self._driver is not None:  # recorded after the copies of what the host reads first
             self._inputs_copied = self._driver.event()
             weakref.finalize(self, self._driver.lib.cuEventDestroy_v2, self._inputs_copied)
