@@ -366,8 +366,8 @@ print("built")
 
 def test_a_builder_made_first_in_its_process_builds_on_cuda(cuda_kernels):
     """A MetadataBuilder on CUDA made before anything else in its process touched the GPU (no
-    context current on its thread until its own buffers are allocated) builds a decode step whose
-    tables and positions are the host builder's."""
+    context current on its thread until the builder makes torch's current) builds a decode step
+    whose tables and positions are the host builder's."""
     import subprocess
     import sys
 
