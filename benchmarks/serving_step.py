@@ -27,6 +27,10 @@ longest seq_len given to the builder as vLLM gives it (max_seq_len). Per layer (
 Last, the device memory the library and layers allocate in the steady state beyond the case's
 own tensors, with 1 and with 57 layers (library_memory_MB in the JSON).
 
+--cpu N pins the process (its threads, the CUDA driver's included) to CPU N before anything is
+measured: on a shared GPU host a process free to move between CPUs measured larger and more
+variable host and build times than a pinned one (benchmarks/PERF.md, decision record).
+
 Each layer's cache is its own slice of one pool while 57 slices fit in --pool-gib; past that the
 slices are cycled (consecutive layers never share a block, so each finds its K/V in DRAM).
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -117,6 +122,14 @@ class ServingCase:
         for attn, k, v, out in self.layers:
             attn.insert_kv(self.key, self.value, k, v, md, c.k_scale, c.v_scale)
             attn.forward(self.q, k, v, out, self.topk, md, c.k_scale, c.v_scale)
+
+
+def pin_to_cpu(cpu: int) -> None:
+    """Run this process (the calling thread and every thread it starts after) on CPU `cpu` only."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if cpu not in allowed:
+        raise ValueError(f"cpu: expected one of the CPUs this process may run on, {allowed}, got {cpu}")
+    os.sched_setaffinity(0, {cpu})
 
 
 def _median(xs):
@@ -224,6 +237,7 @@ def main(argv=None):
     p.add_argument("--pool-gib", type=float, default=16.0, help="the layers' caches at most this much")
     p.add_argument("--insert", default="forward", help=f"how layers insert, one row per mode: {','.join(INSERT_MODES)}")
     add_launch_args(p)
+    p.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU before measuring")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--from-json", help="no run: print the table of an earlier run's JSON")
     a = p.parse_args(argv)
@@ -233,6 +247,11 @@ def main(argv=None):
         return 0
     if not a.build_dir:
         p.error("--build-dir is required for a run")
+    if a.cpu is not None:
+        try:  # before CUDA starts its threads, so that they inherit it
+            pin_to_cpu(a.cpu)
+        except ValueError as e:
+            p.error(f"--{e}")
     if not torch.cuda.is_available():
         p.error("the serving step is measured on a CUDA device; none is visible")
     device = torch.device("cuda")
@@ -251,7 +270,7 @@ def main(argv=None):
     def save():  # the JSON rewritten as the run goes
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "command": "python -m benchmarks.serving_step "
+                json.dump({"device": torch.cuda.get_device_name(), "cpu": a.cpu, "command": "python -m benchmarks.serving_step "
                            + " ".join(argv if argv is not None else sys.argv[1:]), "rows": rows}, f, indent=1)
 
     for kv, hq, b, ctx, chunk, mode in cases:

@@ -50,3 +50,22 @@ def test_a_cases_measurement_runs_end_to_end_on_the_host(host_kernels, monkeypat
     row = serving_step.measure(case, graph=False)
     assert set(row) == {"build_us", "build_alone_us", "build_idle_us", "idle_ms", "host_us", "eager_us"}
     assert all(v > 0 for v in row.values())
+
+
+def test_cpu_pins_the_process_and_a_cpu_it_may_not_use_is_refused(capsys):
+    import os
+
+    from benchmarks import serving_step
+
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    try:
+        serving_step.pin_to_cpu(cpu)
+        assert os.sched_getaffinity(0) == {cpu}
+    finally:
+        os.sched_setaffinity(0, before)
+    with pytest.raises(SystemExit):
+        serving_step.main(["--build-dir", "unused", "--cpu", str(max(before) + 4096)])
+    err = capsys.readouterr().err
+    assert "--cpu: expected one of the CPUs this process may run on" in err and str(max(before) + 4096) in err
+    assert os.sched_getaffinity(0) == before
