@@ -91,7 +91,7 @@ def launch_rows(lib, device):
         a.forward(case.q, k, v, o, case.topk, md, c.k_scale, c.v_scale)
 
     stream = _current_raw_stream(device.index or 0)
-    attend, writer = attn._decode_launch.launches[0][0], attn._insert_launch.launch
+    attend, writer = attn._decode_launch.launch, attn._insert_launch.launch
     q, topk, o, key, value = (t.data_ptr() for t in (case.q, case.topk, out, case.key, case.value))
     first = attend._launches[0]
     print(f"insert_kv + forward: {per_call_us(lambda: (insert(), forward())):.2f} us")
@@ -133,7 +133,7 @@ def inserting_rows(lib, device, profile):
     stream = _current_raw_stream(device.index or 0)
     ptrs = [t.data_ptr() for t in (case.q, case.topk, case.key, case.value, layers[0][3])]
     print(f"forward(key=, value=): {per_call_us(forward):.2f} us; its bound launch alone "
-          f"({len(bound.launches[0][0]._launches)} kernel): {per_call_us(lambda: bound.launches[0][0](stream, *ptrs)):.2f} us")
+          f"({len(bound.launch._launches)} kernel): {per_call_us(lambda: bound.launch(stream, *ptrs)):.2f} us")
     if profile:
         print(profile_top(forward, 57 * 40))
     del case

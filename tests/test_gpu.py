@@ -429,29 +429,34 @@ def test_forward_inserts_a_decode_steps_kv_in_its_own_launch(cuda_kernels, kv, q
         s.step(batch, [], L)                                      # the next step of this shape: bound
         assert s.attn._decode_launch is bound
     s.step(["a"], [("c", 129)], 1)                                # mixed: insert_kv, then the attend
-    s.step(["a"], [("c", 50)], 1)                                 # c at 129..178: binds (one KV head)
+    s.step(["a"], [("c", 50)], 1)                                 # c at 129..178: binds
     mixed = s.attn._mixed_launch
     s.step(["a"], [("c", 50)], 1)                                 # 179..228, the same shape: insert_kv, the binding
-    assert (mixed is not None) == (h == 1) and s.attn._mixed_launch is mixed
+    assert mixed is not None and not mixed.insert and s.attn._mixed_launch is mixed
 
 
 @pytest.mark.parametrize("kv, qd, layout, h, smode", gpu_cases.GPU_SERVING_CASES)
 def test_a_mixed_steps_later_calls_are_bound_and_attend(cuda_kernels, kv, qd, layout, h, smode):
-    """A step with decode and prefill parts binds both phases' attends (_StepLaunch, each phase at
-    its rows' offset into the call's tensors) where a phase's top-k rows are contiguous (one KV
-    head); the next step of the same shape (fresh metadata, new query, top-k, K/V) is served by
-    that binding and attends as the reference; a decode-only step keeps a binding of its own."""
+    """A step with decode and prefill parts binds its one attend over every row (_StepLaunch; the
+    call's top-k rows are all of its tensor, so contiguous for any KV heads); the next step of the
+    same shape (fresh metadata, new query, top-k, K/V) is served by that binding and attends as
+    the reference, also with speculative decode rows (L=4) beside the chunk; a decode-only step
+    keeps a binding of its own."""
     from serving import Server
 
     s = Server(cuda_kernels, DTYPES[kv], DTYPES[qd], layout, h, smode, seed=17, device="cuda")
     s.step([], [("a", 200), ("d", 500)], 1)
     s.step(["a"], [], 1)
     decode = s.attn._decode_launch
-    s.step(["a"], [("d", 60)], 1)                                  # binds (one KV head); d's chunk at 500..559
+    s.step(["a"], [("d", 60)], 1)                                  # binds; d's chunk at 500..559
     mixed = s.attn._mixed_launch
-    assert (mixed is not None) == (h == 1) and (mixed is None or len(mixed.launches) == 2)
+    assert mixed is not None and not mixed.insert
     s.step(["a"], [("d", 60)], 1)                                  # 560..619: the same shape, served by the binding
     assert s.attn._mixed_launch is mixed and s.attn._decode_launch is decode
+    s.step(["a"], [("d", 30)], 4)                                  # speculative decode beside a chunk: binds anew
+    spec = s.attn._mixed_launch
+    s.step(["a"], [("d", 30)], 4)                                  # the same shape: served by that binding
+    assert spec is not None and spec is not mixed and s.attn._mixed_launch is spec
 
 
 INSERT_CASES = [(*c, m) for c in gpu_cases.GPU_INSERT_CASES for m in (("tensor", "token") if "fp8" in c[0] else ("none",))]

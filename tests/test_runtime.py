@@ -485,8 +485,8 @@ class _RecordingKernel:
 
 
 def _bound_step(monkeypatch, metadata, query, topk, output, caches, num_blocks, key=None, value=None):
-    """A _StepLaunch bound as forward binds one after its checked call: each phase's (query rows,
-    caches, top-k rows, step tensors, ...) as the GPU attend takes them; `log` the launches."""
+    """A _StepLaunch bound as forward binds one after its checked call: the step's attend (query
+    rows, caches, top-k rows, step tensors, ...) as the GPU attend takes them; `log` the launches."""
     from types import SimpleNamespace
 
     from msa_iree.runtime import attention
@@ -494,21 +494,19 @@ def _bound_step(monkeypatch, metadata, query, topk, output, caches, num_blocks, 
     monkeypatch.setattr(attention, "_current_raw_stream", lambda index: 7)
     log = []
     kernels = SimpleNamespace(stream_launch=True, stream_kernel=lambda spec: _RecordingKernel(spec, log))
-    nd, n = metadata.num_decode_tokens, metadata.num_actual_tokens
-    phases = []
-    if nd:
+    n = metadata.num_actual_tokens
+    if metadata.prefill is None:  # the decode attend
         d = metadata.decode
-        args = (query[:nd], *caches, topk[:, :nd], d.block_table, d.seq_lens)
-        args += (None,) * 3 + ((key[:nd], value[:nd], metadata.slot_mapping[:nd]) if key is not None else ())
-        phases.append(("decode", args, output[:nd], None, {4: d.block_table, 5: d.seq_lens}))
-    if n > nd:
-        p = metadata.prefill
-        args = (query[nd:n], *caches, topk[:, nd:n], p.block_table, p.query_req_id, p.query_abs_pos)
-        phases.append(("prefill", args, output[nd:n], None,
-                       {4: p.block_table, 5: p.query_req_id, 6: p.query_abs_pos}))
+        args = (query[:n], *caches, topk[:, :n], d.block_table, d.seq_lens)
+        args += (None,) * 3 + ((key[:n], value[:n], metadata.slot_mapping[:n]) if key is not None else ())
+        launched = ("decode", args, output[:n], None, {4: d.block_table, 5: d.seq_lens})
+    else:  # with prefills: the prefill attend over every row
+        m = metadata
+        args = (query[:n], *caches, topk[:, :n], m.block_table, m.token_req_id, m.token_abs_pos)
+        launched = ("prefill", args, output[:n], None, {4: m.block_table, 5: m.token_req_id, 6: m.token_abs_pos})
     layer = SimpleNamespace(num_blocks=num_blocks, refresh=())
     bound = attention._StepLaunch.bind(kernels, metadata, layer, (*caches, None, None), (query, topk, output),
-                                       phases, new_kv=(key, value))
+                                       launched, new_kv=(key, value))
     return bound, log
 
 
@@ -529,10 +527,10 @@ def _steps(num_decodes, tokens):
     return step
 
 
-def test_a_bound_mixed_step_launches_each_phase_at_its_rows_and_refuses_every_other_call(monkeypatch):
-    """Two decodes then a 5-token prefill: the decode phase at the tensors' first rows, the
-    prefill's 2 rows in (query/output rows of 16 x 128 bf16 = 4096 bytes, top-k rows of 16 int32 =
-    64 bytes); anything the binding was not made for is refused with nothing launched."""
+def test_a_bound_mixed_step_launches_one_attend_over_every_row_and_refuses_every_other_call(monkeypatch):
+    """Two decodes then a 5-token prefill: one launch of the prefill attend over all 7 rows, at the
+    call tensors' first rows; anything the binding was not made for is refused with nothing
+    launched."""
     step = _steps(2, 7)
     md = step(0)
     assert (step(46).max_block_id, step(47).max_block_id) == (63, 64)  # request 2's blocks 62, 63 / 63, 64
@@ -544,7 +542,7 @@ def test_a_bound_mixed_step_launches_each_phase_at_its_rows_and_refuses_every_ot
     q2, out2 = torch.zeros_like(q), torch.zeros_like(q)  # the next layer's query and output
     assert bound(step(46), q2, *caches, out2, topk, None, None)  # blocks up to 63: in the cache
     qa, ta, oa = q2.data_ptr(), topk.data_ptr(), out2.data_ptr()
-    assert log == [("decode", 7, (qa, ta, oa)), ("prefill", 7, (qa + 2 * 4096, ta + 2 * 64, oa + 2 * 4096))]
+    assert log == [("prefill", 7, (qa, ta, oa))]
 
     log.clear()
     k = torch.zeros(7, 1, 128, dtype=BF16)

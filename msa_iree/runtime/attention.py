@@ -2,7 +2,9 @@
 
 Per call it checks what is the layer's own and runs the compiled attend for the step's decode and
 prefill parts: the hand-written GPU attend where the target and head grouping allow it (launched
-on torch's stream on CUDA), else the portable module. Given the step's new key and value, `forward`
+on torch's stream on CUDA), else the portable module. On the GPU attend a step is one launch: a
+decode-only step's decode attend, or for a step with prefills the prefill attend over every row
+(decode rows included, each at its own request and position). Given the step's new key and value, `forward`
 also inserts them: for a decode step on the GPU attend, inside the attend's own launch
 (GpuAttendSpec.insert_kv: one launch a layer), else through `insert_kv` first.
 """
@@ -72,7 +74,7 @@ class SparseAttention:
         self.scale = scale
         self.scale_tensor = torch.tensor([scale], dtype=torch.float32)
         self._layer_key = None
-        # _StepLaunch: the bound attends (stream launches) of the last decode-only step, and of the
+        # _StepLaunch: the bound attend (a stream launch) of the last decode-only step, and of the
         # last step with a prefill part (a chunked prefill's chunks often repeat one step shape)
         self._decode_launch = self._mixed_launch = None
         self._insert_launch = None  # _InsertLaunch: this layer's bound KV insert (stream launch)
@@ -165,20 +167,20 @@ class SparseAttention:
         self._layer_key = key
         return self._layer
 
-    def _step_views(self, phase, *names):
-        """IREE views of a phase's metadata tensors (for stream launches the tensors, on the
-        device), made by the first layer of a step and reused by the others (they share the
-        step's metadata)."""
-        cache = phase.__dict__.setdefault("_iree_views", {})
-        views = cache.get(id(self.kernels))
+    def _step_views(self, holder, *names):
+        """IREE views of step tensors (`names` of the metadata or of one of its phases; for stream
+        launches the tensors, on the device), made by the first layer of a step and reused by the
+        others (they share the step's metadata)."""
+        cache = holder.__dict__.setdefault("_iree_views", {})
+        views = cache.get((id(self.kernels), names))
         if views is None:
             if self.kernels.stream_launch:  # the tensors, on the query's device, contiguous
                 device = self.scale_tensor.device
-                views = {n: getattr(phase, n).to(device).contiguous() for n in names}
+                views = [getattr(holder, n).to(device).contiguous() for n in names]
             else:
-                views = {n: self.kernels.to_iree(getattr(phase, n)) for n in names}
-            cache[id(self.kernels)] = views
-        return [views[n] for n in names]
+                views = [self.kernels.to_iree(getattr(holder, n)) for n in names]
+            cache[id(self.kernels), names] = views
+        return views
 
     def workspace_size(self, max_num_tokens: int) -> int:
         """Bytes of the GPU attend's workspace (its arrival counters, then its split partials)
@@ -338,43 +340,39 @@ class SparseAttention:
                     sparse_context_lens[:n * h].reshape(n, h), scale_v, ksv, vsv)
             self.kernels.run(spec, *args, out=[_rows(output, 0, n), self._workspace_for(spec, n, query.device)])
             return output
-        launched = []  # the GPU attends of the step's phases: (spec, args, output rows, workspace, step tensors)
-        for lo, hi, phase in ((0, nd, metadata.decode), (nd, n, metadata.prefill)):
-            if hi == lo:
-                continue
-            if emitted or not self.gpu_decode:
-                given = (sparse_block_table, sparse_context_lens) if emitted else None
-                self._portable_attend(metadata, phase, lo, hi, query, output, topk, layer, given)
-                continue
-            q = _rows(query, lo, hi)
-            kpv, vpv, scale_v, ksv, vsv = layer.views
-            if phase is metadata.decode:
-                spec = self._spec(self.decode_spec, stride, phase.decode_query_len, graph=graph,
-                                  insert=key is not None)
-                args = (q, kpv, vpv, _rows(topk, lo, hi, 1), *self._step_views(phase, *_DECODE_STEP),
-                        scale_v, ksv, vsv)
-                if key is not None:  # the step's new K/V and their slots, written by the attend
-                    args += (_rows(key, lo, hi), _rows(value, lo, hi), _rows(metadata.slot_mapping, lo, hi))
-            else:
-                spec = self._spec(self.prefill_spec, stride)
-                args = (q, kpv, vpv, _rows(topk, lo, hi, 1),
-                        *self._step_views(phase, *_PREFILL_STEP), scale_v, ksv, vsv)
-            # (checks.check_out: output is contiguous)
-            ws = self._workspace_for(spec, hi - lo, query.device)
-            out_rows = _rows(output, lo, hi)
-            self.kernels.run(spec, *args, out=[out_rows, ws])  # written in place
-            names = _DECODE_STEP if phase is metadata.decode else _PREFILL_STEP
-            step = {4 + i: getattr(phase, name) for i, name in enumerate(names)}
-            if key is not None:
-                step[11] = metadata.slot_mapping
-            launched.append((spec, args, out_rows, ws, step))
-        if self.gpu_decode and not emitted and len(launched) == (nd > 0) + (n > nd):
-            bound = _StepLaunch.bind(self.kernels, metadata, layer, (k_cache, v_cache, k_scale, v_scale),
-                                     (query, topk, output), launched, graph, (key, value))
-            if metadata.prefill is None:
-                self._decode_launch = bound
-            else:
-                self._mixed_launch = bound
+        if emitted or not self.gpu_decode:  # the portable attend, phase by phase
+            given = (sparse_block_table, sparse_context_lens) if emitted else None
+            for lo, hi, phase in ((0, nd, metadata.decode), (nd, n, metadata.prefill)):
+                if hi > lo:
+                    self._portable_attend(metadata, phase, lo, hi, query, output, topk, layer, given)
+            return output
+        if n == 0:
+            return output
+        kpv, vpv, scale_v, ksv, vsv = layer.views
+        if metadata.prefill is None:  # decode only: the decode attend (inserting the step's K/V where given)
+            spec = self._spec(self.decode_spec, stride, metadata.decode.decode_query_len, graph=graph,
+                              insert=key is not None)
+            holder, names = metadata.decode, _DECODE_STEP
+        else:  # with prefills: one attend over every row of the step, each at its own request and position
+            spec = self._spec(self.prefill_spec, stride)
+            holder, names = metadata, _STEP_ROWS
+        step_tensors = self._step_views(holder, *names)
+        args = (_rows(query, 0, n), kpv, vpv, _rows(topk, 0, n, 1), *step_tensors, scale_v, ksv, vsv)
+        if key is not None:  # the step's new K/V and their slots, written by the decode attend
+            args += (_rows(key, 0, n), _rows(value, 0, n), _rows(metadata.slot_mapping, 0, n))
+        # (checks.check_out: output is contiguous)
+        ws = self._workspace_for(spec, n, query.device)
+        out_rows = _rows(output, 0, n)
+        self.kernels.run(spec, *args, out=[out_rows, ws])  # written in place
+        step = {4 + i: getattr(holder, name) for i, name in enumerate(names)}
+        if key is not None:
+            step[11] = metadata.slot_mapping
+        bound = _StepLaunch.bind(self.kernels, metadata, layer, (k_cache, v_cache, k_scale, v_scale),
+                                 (query, topk, output), (spec, args, out_rows, ws, step), graph, (key, value))
+        if metadata.prefill is None:
+            self._decode_launch = bound
+        else:
+            self._mixed_launch = bound
         return output
 
     __call__ = forward
@@ -406,54 +404,43 @@ class SparseAttention:
 
 
 class _StepLaunch(_LayerBinding):
-    """A layer's step bound to its stream launches (FlashInfer's plan/run split): made by a forward
-    that ran every check and launched the GPU attend of each phase of the step (decode, prefill)
-    in place, it serves the later calls whose step has the same key (the builder's step tensors
-    at the same addresses in the same shapes: this step's other layers, and every later step of
-    the same shape) over the same caches and scales, checking only what may change per call (the
-    step's largest block id against the cache; the query, output and top-k tensors, and an
-    inserting attend's key and value: the shapes, dtypes and device bound, contiguous) before it
-    launches each phase at its rows' fixed byte offsets into them; any other call takes the
-    checked path (and binds anew). It keeps the bound step's tensors alive (as every
-    _LayerBinding the layer's)."""
+    """A layer's step bound to its stream launch (FlashInfer's plan/run split): made by a forward
+    that ran every check and launched the step's GPU attend in place, it serves the later calls
+    whose step has the same key (the builder's step tensors at the same addresses in the same
+    shapes: this step's other layers, and every later step of the same shape) over the same
+    caches and scales, checking only what may change per call (the step's largest block id
+    against the cache; the query, output and top-k tensors, and an inserting attend's key and
+    value: the shapes, dtypes and device bound, contiguous) before it launches the attend on
+    them; any other call takes the checked path (and binds anew). It keeps the bound step's
+    tensors alive (as every _LayerBinding the layer's)."""
 
     @classmethod
-    def bind(cls, kernels, metadata, layer, layer_tensors, call_tensors, phases, graph=False, new_kv=(None, None)):
-        """None unless every phase is launched on torch's stream from the call tensors' own memory.
+    def bind(cls, kernels, metadata, layer, layer_tensors, call_tensors, launched, graph=False, new_kv=(None, None)):
+        """None unless the attend is launched on torch's stream from the call tensors' own memory.
         layer_tensors: (k_cache, v_cache, k_scale, v_scale); call_tensors: (query, topk, output);
-        phases: [(spec, args, output rows, workspace, step tensors)], each phase's module inputs as
+        launched: (spec, args, output rows, workspace, step tensors): the module's inputs as
         forward passed them (query rows at 0, top-k rows at 3; with new_kv, an inserting decode
         attend's key and value rows at 9 and 10) and {argument index: the metadata's tensor} that
         those arguments must be (else they were copied for the launch: a later step would not be
-        seen); graph: whether it was bound while a graph was captured (it then serves only
-        such calls)."""
+        seen); graph: whether it was bound while a graph was captured (it then serves only such
+        calls)."""
         query, topk, output = call_tensors
         key, value = new_kv
         insert = key is not None
-        if not kernels.stream_launch or not all(t.is_contiguous() for t in call_tensors):
+        spec, args, out_rows, workspace, step_tensors = launched
+        sk = kernels.stream_kernel(spec) if kernels.stream_launch else None
+        # the kernel reads and writes the call tensors from their first rows: their addresses per call
+        rows = [(args[0], query), (args[3], topk), (out_rows, output)]
+        if insert:
+            rows += [(args[9], key), (args[10], value)]
+        if (sk is None or not all(t.is_contiguous() and r.is_contiguous() and r.data_ptr() == t.data_ptr()
+                                  for r, t in rows)
+                or any(args[i].data_ptr() != t.data_ptr() for i, t in step_tensors.items())):
             return None
-        if insert and not (key.is_contiguous() and value.is_contiguous()):
-            return None
-        launches = []
-        for spec, args, out_rows, workspace, step_tensors in phases:
-            sk = kernels.stream_kernel(spec)
-            # the kernel reads a phase's rows from its first: at a fixed offset into the whole tensor
-            if sk is None or not all(t.is_contiguous() for t in (args[0], args[3], out_rows)):
-                return None
-            if any(args[i].data_ptr() != t.data_ptr() for i, t in step_tensors.items()):
-                return None
-            offsets = [args[0].data_ptr() - query.data_ptr(), args[3].data_ptr() - topk.data_ptr()]
-            variable = [0, 3]
-            if insert:
-                offsets += [args[9].data_ptr() - key.data_ptr(), args[10].data_ptr() - value.data_ptr()]
-                variable += [9, 10]
-            offsets.append(out_rows.data_ptr() - output.data_ptr())
-            variable.append(len(args))
-            launches.append((sk.bind([*args, out_rows, workspace], variable=tuple(variable)), tuple(offsets)))
         self = cls()
-        self.graph, self.insert, self.launches = graph, insert, launches
-        # one phase at the tensors' first rows (a decode-only step): launched without the offsets
-        self.whole = launches[0][0] if len(launches) == 1 and not any(launches[0][1]) else None
+        self.graph, self.insert = graph, insert
+        self.launch = sk.bind([*args, out_rows, workspace], variable=(0, 3, 9, 10, len(args)) if insert
+                              else (0, 3, len(args)))
         self.num_blocks = layer.num_blocks
         self._hold(metadata.step_key, layer_tensors, layer.refresh)
         self.q_shape, self.q_dtype, self.topk_shape = query.shape, query.dtype, topk.shape
@@ -489,18 +476,15 @@ class _StepLaunch(_LayerBinding):
             addresses = (query.data_ptr(), topk.data_ptr(), output.data_ptr())
         if self.refresh:
             self._refresh()
-        stream = _current_raw_stream(index)
-        if self.whole is not None:
-            self.whole(stream, *addresses)
-            return True
-        for launch, offsets in self.launches:
-            launch(stream, *[a + o for a, o in zip(addresses, offsets)])
+        self.launch(_current_raw_stream(index), *addresses)
         return True
 
 
 _INT32 = torch.int32
-_DECODE_STEP = ("block_table", "seq_lens")  # a phase's step tensors the GPU attend reads, in its operand order
-_PREFILL_STEP = ("block_table", "query_req_id", "query_abs_pos")
+# the step tensors the GPU attend reads, in its operand order: a decode-only step's (DecodeMetadata)
+# and, for a step with prefills, the whole step's (MsaMetadata: every token's request and position)
+_DECODE_STEP = ("block_table", "seq_lens")
+_STEP_ROWS = ("block_table", "token_req_id", "token_abs_pos")
 _BLOCK = BLOCK_SIZE
 
 
