@@ -562,6 +562,52 @@ def test_a_bound_mixed_step_launches_one_attend_over_every_row_and_refuses_every
     assert log == []
 
 
+@pytest.mark.parametrize("L", [1, 4])
+def test_a_step_with_prefills_is_one_gpu_launch_whose_rows_are_the_phases_rows(L):
+    """On the GPU attend a step with prefills is one launch of the prefill attend over every row,
+    reading the metadata's block table, token_req_id and token_abs_pos: with the kernels stood in
+    by a recorder, forward launches it once with those tensors, and the sparse page table they
+    give (reference.build_sparse_block_table_prefill) is, row for row, the decode phase's
+    (reference.build_sparse_block_table_decode: L tokens a request at seq_len - L + i) followed by
+    the prefill phase's."""
+    from types import SimpleNamespace
+
+    from msa_iree.ops import GPU_ATTEND
+
+    log = []
+    kernels = SimpleNamespace(target="cuda", stream_launch=False, zero_copy=False, to_iree=lambda t: t,
+                              unit_scale=lambda h, device: torch.ones(h, 1),
+                              workspace=lambda floats, device: torch.zeros(floats),
+                              run=lambda spec, *args, out: log.append((spec, args)))
+    attn = SparseAttention(16, 1, 128, 128 ** -0.5, BF16, kernels=kernels)
+    builder = MetadataBuilder(max_num_seqs=3, max_model_len=1024)
+    # two decode requests of L tokens (seq_len 300, 129: one crossing into a new block), then a
+    # 70-token chunk of a request at 200..269 (crossing block 1 into block 2)
+    qsl = torch.tensor([0, L, 2 * L, 2 * L + 70], dtype=torch.int32)
+    seq = torch.tensor([300, 129, 270], dtype=torch.int32)
+    bt = torch.arange(3 * 4, dtype=torch.int32).reshape(3, 4) * 3 % 13
+    md = builder.build(bt, seq, qsl, seq - (qsl[1:] - qsl[:-1]), L, 2)
+    n, nd = md.num_actual_tokens, md.num_decode_tokens
+    g = torch.Generator().manual_seed(L)
+    topk = torch.stack([torch.randperm(4, generator=g)[:3] for _ in range(n)]).int()
+    topk = torch.cat([topk, torch.full((n, 13), -1, dtype=torch.int32)], 1)[None]  # [1, n, 16]
+    k, v = allocate_kv_cache(13, 1, BF16, fill=0)
+    q = torch.zeros(n, 16, 128, dtype=BF16)
+    attn.forward(q, k, v, torch.empty_like(q), topk, md)
+
+    ((spec, args),) = log
+    assert spec == attn._spec(GPU_ATTEND["mma", "cuda"][1], 16)  # the prefill attend, once
+    assert args[3] is topk and all(a is b for a, b in zip(args[4:7], (md.block_table, md.token_req_id,
+                                                                          md.token_abs_pos)))
+    whole = R.build_sparse_block_table_prefill(topk, md.block_table, md.token_req_id, md.token_abs_pos, 16)
+    d, p = md.decode, md.prefill
+    phases = [R.build_sparse_block_table_decode(topk[:, :nd], d.block_table, d.seq_lens, L, 16),
+              R.build_sparse_block_table_prefill(topk[:, nd:], p.block_table, p.query_req_id, p.query_abs_pos, 16)]
+    assert torch.equal(whole[0], torch.cat([phases[0][0], phases[1][0]]))
+    assert torch.equal(whole[1], torch.cat([phases[0][1], phases[1][1]]))
+    assert (whole[1][:nd] > 0).sum() >= nd - 1 and (whole[1][nd:] > 0).any()  # (the tables are not empty)
+
+
 def test_a_bound_inserting_step_serves_only_calls_that_bring_its_key_and_value(monkeypatch):
     """A decode-only step whose attend inserts: the key and value rows launched beside the query's;
     a call without them, of another dtype, or writing a slot past the cache is refused."""
