@@ -522,8 +522,8 @@ def bench_specs(heads=(16, 8), kv_dtypes=("bf16", "fp8_e4m3fn"), decode_query_le
         if prefill:  # (every head count: the serving step's mixed batches)
             specs += [cls(MsaConfig(num_heads=hq, kv_dtype=kv), 16) for hq in heads
                       for cls in (SparseAttnPrefillFmaSpec, SparseAttnPrefillMmaSpec)]
-    # and the graph variants (what the graph-captured rows launch) and the decode attends'
-    # inserting variants (the serving step's decode layers: forward(key=, value=))
+    # and the graph variants (what the graph-captured rows launch) and the top-k attends'
+    # inserting variants (the serving step's layers: forward(key=, value=))
     return list({s.name: s for s in with_variants(specs)}.values())
 
 

@@ -95,11 +95,11 @@ def gpu_test_specs():
     for kv, qd, layout, h, _ in GPU_SERVING_CASES:
         stride = LAYOUT_STRIDES[layout]
         cfg = MsaConfig(num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
-        specs += [SparseAttnPrefillFmaSpec(cfg, stride), InsertKvGpuSpec(cfg, stride), SparseAttnPrefillMmaSpec(cfg, stride)]
+        specs += [SparseAttnPrefillFmaSpec(cfg, stride), InsertKvGpuSpec(cfg, stride)]
         decodes = [cls(cfg.replace(decode_query_len=L), stride) for L in (1, 4)
                    for cls in (SparseAttnDecodeFmaSpec, SparseAttnDecodeMmaSpec, Mfma)]
-        # ... and the decode attends that insert the step's K/V themselves (forward(key=, value=))
-        specs += [MfmaPrefill(cfg, stride)] + with_variants(decodes)
+        # ... and the attends that insert the step's K/V themselves (forward(key=, value=))
+        specs += with_variants([SparseAttnPrefillMmaSpec(cfg, stride), MfmaPrefill(cfg, stride)] + decodes)
     for kv, qd, layout, h in GPU_INSERT_CASES:
         cfg = MsaConfig(num_heads=8 * h, num_kv_heads=h, kv_dtype=kv, query_dtype=qd)
         specs.append(InsertKvGpuSpec(cfg, LAYOUT_STRIDES[layout]))

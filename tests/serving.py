@@ -2,7 +2,7 @@
 cache; each step inserts K/V, draws top-k, builds metadata, attends, and checks the output
 against the torch reference (computed on the CPU). K/V go in through the layer's
 SparseAttention.insert_kv (runtime.insert_kv's checks; on a GPU its bound launch), or with
-insert_in_forward through forward(key=, value=) (a GPU decode step: the attend's own launch),
+insert_in_forward through forward(key=, value=) (on a GPU: the attend's own launch),
 the cache then checked byte for byte against reference.insert_kv's."""
 import torch
 

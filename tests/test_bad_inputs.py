@@ -364,22 +364,23 @@ def test_a_given_page_table_is_checked_for_range_length_and_block_groups():
             lens=torch.tensor([130, 2049], dtype=torch.int32))
 
 
-def test_a_callers_workspace_is_checked_and_its_arrival_counters_zeroed(host_kernels):
-    """SparseAttention(workspace=...): a float32, contiguous tensor of at least the attend's 128
-    arrival counters (refused by name otherwise); the layer zeroes those counters (the GPU
-    attend's rows count their finished splits there) and leaves the rest as it was."""
-    from msa_iree.ops.tuning import ARRIVAL_COUNTERS
+def test_a_callers_workspace_is_checked_and_its_counters_zeroed(host_kernels):
+    """SparseAttention(workspace=...): a float32, contiguous tensor of at least the attend's 160
+    counters (refused by name otherwise); the layer zeroes those counters (the GPU attend's rows
+    count their finished splits there, an inserting prefill attend its workgroups) and leaves the
+    rest as it was."""
+    from msa_iree.ops.tuning import COUNTER_WORDS
 
     def attn(ws):
         return SparseAttention(16, 1, 128, 128 ** -0.5, BF16, kernels=host_kernels, workspace=ws)
 
-    with pytest.raises(ValueError, match=r"workspace: expected at least 512 bytes \(its arrival counters\), got 508"):
-        attn(torch.zeros(127))
+    with pytest.raises(ValueError, match=r"workspace: expected at least 640 bytes \(its counters\), got 636"):
+        attn(torch.zeros(159))
     with pytest.raises(ValueError, match="workspace: expected a contiguous tensor"):
-        attn(torch.zeros(512)[::2])
+        attn(torch.zeros(640)[::2])
     with pytest.raises(ValueError, match="workspace"):
-        attn(torch.zeros(512, dtype=torch.float16))
-    ws = torch.full((ARRIVAL_COUNTERS + 7,), float("nan"))
+        attn(torch.zeros(640, dtype=torch.float16))
+    ws = torch.full((COUNTER_WORDS + 7,), float("nan"))
     attn(ws)
-    assert ARRIVAL_COUNTERS == 128
-    assert not ws[:128].view(torch.int32).any() and ws[128:].isnan().all()
+    assert COUNTER_WORDS == 160
+    assert not ws[:160].view(torch.int32).any() and ws[160:].isnan().all()

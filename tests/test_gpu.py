@@ -18,7 +18,7 @@ import gpu_cases
 import tolerances as tol
 from msa_iree.ops import GPU_ATTEND, GPU_PAGED_ATTEND, SparseAttnDecodeFmaSpec
 from msa_iree.ops.fp8 import storage_dtype
-from msa_iree.ops.tuning import ARRIVAL_COUNTERS
+from msa_iree.ops.tuning import COUNTER_WORDS
 from msa_iree.ops.indexer import indexer_config
 from msa_iree.runtime.library import module_scale
 
@@ -65,10 +65,10 @@ def _module_operands(c, *positions):
 
 
 def _poisoned_workspace(spec, num_tokens):
-    """A workspace for `num_tokens` rows filled with NaN past its arrival counters, which start at
+    """A workspace for `num_tokens` rows filled with NaN past its counters, which start at
     zero (as the library's and SparseAttention's do): what the partials held must not matter."""
     ws = torch.full((spec.workspace_floats(num_tokens),), float("nan"), device=torch.device("cuda"))
-    ws[:ARRIVAL_COUNTERS] = 0
+    ws[:COUNTER_WORDS] = 0
     return ws
 
 
@@ -232,8 +232,8 @@ def test_a_short_workspace_is_refused(cuda_kernels):
     dev = torch.device("cuda")
     args = _module_operands(c, c.seq_lens)
     out = torch.empty_like(c.q, device=dev)
-    # the arrival counters, then 2 rows' splits (the tuning table) of 16 heads' o + (m, l)
-    needed = ARRIVAL_COUNTERS + 2 * spec.splits(2) * 16 * 130
+    # the counters, then 2 rows' splits (the tuning table) of 16 heads' o + (m, l)
+    needed = COUNTER_WORDS + 2 * spec.splits(2) * 16 * 130
     short = torch.empty(needed - 1, device=dev)
     with pytest.raises(Exception, match="workspace"):
         cuda_kernels.run(spec, *[a.to(dev) for a in args], out=[out, short])
@@ -414,8 +414,9 @@ def test_forward_inserts_a_decode_steps_kv_in_its_own_launch(cuda_kernels, kv, q
     """forward(key=, value=): a decode-only step's attend writes the step's K/V itself (the
     cache byte for byte the reference insert's, the output the reference attend's over it): checked
     and bound calls, L = 1 and 4 (a token reads the request's earlier new tokens of the step),
-    padding requests, a request crossing into a new block; prefill and mixed steps insert first,
-    a mixed step of a bound shape too (its binding, which does not insert, serves the attend)."""
+    padding requests, a request crossing into a new block; prefill and mixed steps are one launch
+    too (the prefill attend's insert workgroups: test_a_step_with_prefills_inserts_before_it_attends),
+    a mixed step of a bound shape through its inserting binding."""
     from serving import Server
 
     s = Server(cuda_kernels, DTYPES[kv], DTYPES[qd], layout, h, smode, seed=13, device="cuda", gpu_matrix=matrix,
@@ -428,11 +429,40 @@ def test_forward_inserts_a_decode_steps_kv_in_its_own_launch(cuda_kernels, kv, q
         assert bound is not None and bound.insert
         s.step(batch, [], L)                                      # the next step of this shape: bound
         assert s.attn._decode_launch is bound
-    s.step(["a"], [("c", 129)], 1)                                # mixed: insert_kv, then the attend
+    s.step(["a"], [("c", 129)], 1)                                # mixed: the prefill attend inserts
     s.step(["a"], [("c", 50)], 1)                                 # c at 129..178: binds
     mixed = s.attn._mixed_launch
-    s.step(["a"], [("c", 50)], 1)                                 # 179..228, the same shape: insert_kv, the binding
-    assert mixed is not None and not mixed.insert and s.attn._mixed_launch is mixed
+    s.step(["a"], [("c", 50)], 1)                                 # 179..228, the same shape: the binding inserts
+    assert mixed is not None and mixed.insert and s.attn._mixed_launch is mixed
+
+
+@pytest.mark.parametrize("kv, qd, layout, h, smode", gpu_cases.GPU_SERVING_CASES)
+@pytest.mark.parametrize("matrix", ["mma", "mfma"])
+def test_a_step_with_prefills_inserts_before_it_attends(cuda_kernels, kv, qd, layout, h, smode, matrix):
+    """forward(key=, value=) on steps with prefills, one launch a layer: the prefill attend's insert
+    workgroups write the step's K/V (the cache byte for byte the reference insert's) before any of
+    its attend workgroups reads the cache (the output the reference attend's over it): a
+    2,000-token chunk beside a 300-token one (144 insert workgroups, 2,300 rows of one split
+    waiting on them), a 5-token chunk beside a decode (6 rows of 16 splits), then a 400-token
+    chunk beside two decodes, checked and bound; after every step the workspace's counters are
+    back at zero (the last workgroup reset them)."""
+    from serving import Server
+
+    s = Server(cuda_kernels, DTYPES[kv], DTYPES[qd], layout, h, smode, seed=19, device="cuda", gpu_matrix=matrix,
+               insert_in_forward=True)
+    assert s.attn.fuses_insert
+
+    def counters():
+        ws = [t for (owner, _), (t, _) in cuda_kernels._workspaces.items() if owner == "attend"]
+        return [int(w[:COUNTER_WORDS].view(torch.int32).count_nonzero()) for w in ws]
+
+    for decodes, prefills in (([], [("a", 300), ("b", 2000)]), (["a"], [("c", 5)]), (["a", "b"], [("c", 400)]),
+                              (["a", "b"], [("c", 40)]), (["a", "b"], [("c", 40)])):
+        s.step(decodes, prefills, 1)
+        torch.cuda.synchronize()
+        assert not any(counters()), (decodes, prefills, counters())
+    mixed = s.attn._mixed_launch
+    assert mixed is not None and mixed.insert and mixed.launch is not None
 
 
 @pytest.mark.parametrize("kv, qd, layout, h, smode", gpu_cases.GPU_SERVING_CASES)
@@ -523,7 +553,7 @@ def test_one_workspace_serves_calls_of_every_split_count(cuda_kernels, matrix):
         R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref)
         err = (out.cpu().float() - ref.float()).abs()
         assert err.max() < tol.MAX_ABS[torch.bfloat16], (batch, float(err.max()))
-        counters = ws[:ARRIVAL_COUNTERS].view(torch.int32).cpu()
+        counters = ws[:COUNTER_WORDS].view(torch.int32).cpu()
         assert not counters.any(), (batch, counters.nonzero().flatten()[:5].tolist())
 
 
@@ -657,10 +687,10 @@ def test_mfma_writes_under_a_tenth_of_the_kv_between_its_dispatches(cuda_kernels
     for batch in (3, 16, 17, 32, 33, 64, 65, 128):
         c = testing.decode_case([3000 + 7 * i for i in range(batch)], kv_dtype=DTYPES[kv], seed=batch, keep_own_prob=1.0)
         ws = torch.full((spec.workspace_floats(batch),), -1, dtype=torch.int32, device=dev)
-        ws[:ARRIVAL_COUNTERS] = 0
+        ws[:COUNTER_WORDS] = 0
         out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device=dev)
         cuda_kernels.run(spec, *[a.to(dev) for a in _module_operands(c, c.seq_lens)], out=[out, ws.view(torch.float32)])
-        written = int((ws[ARRIVAL_COUNTERS:].view(torch.int16) != -1).sum()) * 2
+        written = int((ws[COUNTER_WORDS:].view(torch.int16) != -1).sum()) * 2
         assert 0 < written < 0.10 * kv_bytes_per_row * batch, (batch, written / (kv_bytes_per_row * batch))
         ref = torch.empty_like(c.q)
         R.sparse_attn_decode(c.q, c.k_cache, c.v_cache, c.topk, c.block_table, c.seq_lens, 1, c.scale, ref,
@@ -1281,7 +1311,7 @@ def test_a_decode_step_of_indexer_and_attend_over_its_table_replays_from_a_cuda_
 
 
 def test_a_callers_workspace_serves_once_the_layer_zeroed_its_counters(cuda_kernels):
-    """SparseAttention(workspace=...): the caller's tensor, NaN everywhere (its arrival counters
+    """SparseAttention(workspace=...): the caller's tensor, NaN everywhere (its counters
     too), shared by two layers, serves a decode step of 8 rows at 16 splits a row (each row
     merged by its last split to finish): each layer zeroed the counters when given the tensor,
     and each call leaves them zero."""
@@ -1302,7 +1332,7 @@ def test_a_callers_workspace_serves_once_the_layer_zeroed_its_counters(cuda_kern
     for i, layer in enumerate(layers * 2):
         out = layer.forward(q, kc, vc, torch.full_like(q, float("nan")), topk, md)
         _assert_every_row_written_and_close(out.cpu(), ref, f"call {i}")
-        assert not ws[:ARRIVAL_COUNTERS].view(torch.int32).any(), i
+        assert not ws[:COUNTER_WORDS].view(torch.int32).any(), i
 
 
 @pytest.mark.parametrize("heads, cache_dtype, init, local", [(2, "bf16", 0, 1), (1, "fp8_e4m3fn", 1, 1)])

@@ -12,7 +12,7 @@ from msa_iree import compile as C
 from msa_iree import ops as K
 from msa_iree.config import MsaConfig
 from msa_iree.ops.indexer import indexer_config
-from msa_iree.ops.tuning import (ARRIVAL_COUNTERS, INDEXER as INDEXER_DECODE, INDEXER_MMA, INDEXER_TILED, TUNING,
+from msa_iree.ops.tuning import (COUNTER_WORDS, INDEXER as INDEXER_DECODE, INDEXER_MMA, INDEXER_TILED, TUNING,
                                  AttendTuning, IndexerTuning)
 from msa_iree.inspect import kernel_report
 
@@ -99,13 +99,13 @@ def test_the_inserting_decode_attend_writes_the_new_kv_before_its_first_page_rea
         fences = re.findall(r'llvm\.fence syncscope\("workgroup"\) (\w+)', split[barrier - 200:barrier + 200])
         assert fences == (["release", "acquire"] if spec.family == "mfma" else [])
         assert spec.render() == dataclasses.replace(ins, insert_kv=False).render()
-    for spec in (K.SparseAttnDecodeFmaSpec(MsaConfig(), 16), K.SparseAttnPrefillMmaSpec(MsaConfig(), 16),
+    for spec in (K.SparseAttnDecodeFmaSpec(MsaConfig(), 16), K.SparseAttnPrefillFmaSpec(MsaConfig(), 16),
                  K.SparseAttnPagedMmaSpec(MsaConfig(), 16)):
         assert spec.with_insert() is None, spec.name
-    with pytest.raises(ValueError, match="insert_kv: expected only for a decode attend of the mma/mfma families"):
+    with pytest.raises(ValueError, match="insert_kv: expected only for a top-k attend of the mma/mfma families"):
         K.SparseAttnDecodeFmaSpec(MsaConfig(), 16, insert_kv=True)
-    with pytest.raises(ValueError, match="insert_kv: expected only for a decode attend of the mma/mfma families"):
-        K.SparseAttnPrefillMmaSpec(MsaConfig(), 16, insert_kv=True)
+    with pytest.raises(ValueError, match="insert_kv: expected only for a top-k attend of the mma/mfma families"):
+        K.SparseAttnPagedMmaSpec(MsaConfig(), 16, insert_kv=True)
     plain = K.SparseAttnDecodeMmaSpec(MsaConfig(), 16)
     graph = plain.with_insert().for_graph()  # the graph variant inserts too, in two dispatches
     assert graph == plain.for_graph().with_insert() and graph.name == plain.for_graph().name + ".ins"
@@ -113,10 +113,48 @@ def test_the_inserting_decode_attend_writes_the_new_kv_before_its_first_page_rea
     assert re.findall(r"flow\.dispatch @\w+::@(\w+)", attend) == ["split", "merge"]
     for target, family in (("cuda", "mma"), ("gfx942", "mfma")):
         specs = K.kernel_set(MsaConfig(kv_dtype="fp8_e4m3fn" if target == "cuda" else "fp8_e4m3fnuz"), target=target)
-        inserting = [(s.stride, s.cfg.decode_query_len, s.tuning.fused_merge) for s in specs
+        inserting = [(s.stride, s.prefill, s.cfg.decode_query_len, s.tuning.fused_merge) for s in specs
                      if getattr(s, "insert_kv", False)]
-        assert sorted(inserting) == sorted((st, L, fm) for st in (16, 8) for L in (1, 2, 3, 4) for fm in (False, True))
+        assert sorted(inserting) == sorted([(st, False, L, fm) for st in (16, 8) for L in (1, 2, 3, 4) for fm in (False, True)]
+                                           + [(st, True, 1, True) for st in (16, 8)])
         assert all(s.family == family for s in specs if getattr(s, "insert_kv", False))
+
+
+@pytest.mark.parametrize("spec", [K.SparseAttnPrefillMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16),
+                                  K.SparseAttnPrefillMfmaSpec(MsaConfig(num_heads=32, num_kv_heads=2, kv_dtype="bf16"), 8)],
+                         ids=lambda s: s.name)
+def test_the_inserting_prefill_attend_inserts_in_workgroups_of_its_own_first(spec):
+    """with_insert on a prefill attend (forward(key=, value=) on a step with prefills): one
+    dispatch whose grid has ceil(ceil(T / 16) / splits) rows of insert workgroups past the
+    attend's; every workgroup's role comes from a ticket (an atomic add on word 128 of the
+    workspace, ARRIVAL_COUNTERS), the insert workgroups store the new K/V (every KV head) and count
+    themselves in word 129, the attend's wait for that count before the barrier ahead of their
+    first page read, and both count themselves gone in word 130, the last resetting the three.
+    Without the insert it renders exactly the plain prefill attend."""
+    ins = spec.with_insert()
+    assert ins.insert_kv and ins.name == spec.name + ".ins16" and ins.written_operands == (-2, -1, 1, 2)
+    assert ins.knobs()["INS_TOKENS"] == 16 and spec.knobs()["INS_TOKENS"] == 0
+    assert spec.render() == dataclasses.replace(ins, insert_kv=False).render()
+    assert ins.workspace_floats(100) == spec.workspace_floats(100)
+    text = ins.render()
+    attend = text[text.index("func.func private @attend"):]
+    assert re.findall(r"flow\.dispatch @(\w+)::@(\w+)\[%splits, %grid_rows\]", attend) == [("msa_decode", "split")]
+    assert "%ins_wgs = arith.ceildivui %T, %ins_per" in attend and "%grid_rows = arith.addi %rows, %ins_rows" in attend
+    split = text[text.index("func.func @split"):]
+    words = {name: int(w) for name, w in re.findall(r"%stc_(\w+)_w0 = arith.constant (\d+) : index", split)}
+    assert words == {"ticket": 128, "inserted": 129, "gone": 130}
+    ticket = split.index("llvm.atomicrmw add %ticket_ptr")
+    insert_block, attend_block = split.index("^insert:"), split.index("^attend:")
+    assert ticket < insert_block < attend_block
+    stores = [m.start() for m in re.finditer(r"memref\.store %ins_q, %[kv]p\[", split)]
+    assert len(stores) == 2 and all(insert_block < i < attend_block for i in stores)
+    counted = split.index("llvm.atomicrmw add %inserted_ptr")
+    assert max(stores) < split.rindex("gpu.barrier", 0, counted) < counted < attend_block
+    poll = split.index("llvm.load %inserted_ptr atomic")
+    loop = split.index("scf.for %i = %e0 to %e1")
+    assert attend_block < poll < split.rindex("gpu.barrier", 0, loop) < loop
+    assert not re.search(r"memref\.(load|store)[^\n]*%[kv]p\[", split[attend_block:poll])  # no page read before
+    assert split.count("llvm.atomicrmw add %gone_ptr") == 2  # gone: once on each role's path
 
 
 def test_fused_merge_is_refused_where_split_cannot_write_the_output():
@@ -245,6 +283,41 @@ def test_gfx942_mfma_isa(tmp_path):
         assert "global_load_dwordx2" not in split_asm[:split_asm.index("global_atomic_add")], spec.name
         assert split["cvt_fp8"] == (64 if spec.cfg.kv_dtype == "fp8_e4m3fnuz" else 0), split
         assert "global_load_dwordx4" in split_asm[:split_asm.index("s_barrier")], spec.name
+
+
+def test_the_inserting_prefill_attend_orders_its_workgroups_on_both_targets(tmp_path):
+    """The inserting prefill attend (with_insert) as compiled (gfx942: compiled, never run here).
+    CUDA (PTX): the ticket, the insert count and the gone count as GPU-scope acquire-release atomic
+    adds at bytes 512, 516 and 520 of the workspace, the attend's wait an acquire load of 516 in a
+    loop. gfx942: the same words; the inserts' stores released (buffer_wbl2 sc1) before their
+    barrier and count, the wait a load at agent scope (sc1, past the CU's L1) in a loop, the L1
+    invalidated (buffer_inv sc1) after the barrier behind it; one dispatch, its matrix cores, no
+    scratch, >= 4 waves per SIMD."""
+    ptx_spec = K.SparseAttnPrefillMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16).with_insert()
+    _, split = _entry_ptx(tmp_path / "cuda", ptx_spec)
+    adds = re.findall(r"atom\.acq_rel\.gpu\.global\.add\.u32\s+%r\d+, \[%rd\d+\+(\d+)\], 1;", split)
+    assert sorted(map(int, adds)) == [512, 516, 520, 520]  # ticket; inserted; gone (each role's path)
+    assert re.search(r"(\$L__BB\d+_\d+):\n\s*ld\.acquire\.gpu\.global\.b32\s+(%r\d+), \[%rd\d+\+516\];\n"
+                     r"\s*setp\.lt\.u32\s+(%p\d+), \2, %r\d+;\n\s*@\3 bra\s+\1;", split)
+    spec = K.SparseAttnPrefillMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16).with_insert()
+    C.build(None, ["gfx942"], tmp_path / "amd", specs=[spec], log=lambda m: None)
+    (report,) = kernel_report(tmp_path / "amd")
+    assert report["dispatches"] == 1
+    (fn,) = report["functions"]
+    assert fn["mfma"] == 32 and fn["scratch_bytes"] == 0 and fn["scratch_ops"] == 0 and fn["waves_per_simd"] >= 4, fn
+    asm = "".join(f.read_text() for f in (tmp_path / "amd" / "isa" / spec.name).glob("*.rocmasm"))
+    asm = asm[asm.index("\nsplit:"):]
+    poll = re.search(r"(\.LBB\d+_\d+):\n\s*global_load_dword (v\d+), v\d+, (s\[\d+:\d+\]) offset:516 sc1\n"
+                     r"\s*s_waitcnt vmcnt\(0\)\n\s*v_cmp_gt_u32_e32 vcc, s\d+, \2\n\s*s_cbranch_vccnz \1\n", asm)
+    assert poll, "the wait for the inserts"
+    base = poll.group(3).replace("[", r"\[").replace("]", r"\]")
+    counts = [m.start() for m in re.finditer(rf"global_atomic_add v\d+, v\d+, {base} offset:516\n", asm)]
+    assert len(counts) == 1
+    released = asm.rindex("s_barrier", 0, counts[0])
+    assert "buffer_wbl2 sc1" in asm[released - 200:released]
+    after_wait = asm.index("s_barrier", poll.end())
+    assert asm[after_wait:after_wait + 200].split("\n")[1].strip() == "buffer_inv sc1"
+    assert re.search(rf"global_atomic_add v\d+, v\d+, v\d+, {base} offset:512 sc0", asm)
 
 
 PAGED = [K.SparseAttnPagedMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16),
@@ -631,9 +704,9 @@ def test_workspace_bound_covers_every_row_count(hq, h):
     g = hq // h
     for tokens in range(1, 700):
         rows = tokens * h
-        need = ARRIVAL_COUNTERS + rows * spec.splits(rows) * g * 130
+        need = COUNTER_WORDS + rows * spec.splits(rows) * g * 130
         assert spec.workspace_floats(tokens) >= need, tokens
-    assert spec.workspace_floats(16 // h) == ARRIVAL_COUNTERS + 16 * 16 * g * 130
+    assert spec.workspace_floats(16 // h) == COUNTER_WORDS + 16 * 16 * g * 130
 
 
 @pytest.mark.parametrize("spec", [K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16),

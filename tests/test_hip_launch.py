@@ -19,6 +19,8 @@ from msa_iree.runtime.launch_plan import DispatchPlan
 MFMA = K.SparseAttnDecodeMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16)
 INSERT = K.InsertKvGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16)
 MFMA_INS = MFMA.with_insert()  # the decode attend that writes the step's K/V too
+# a step with prefills: the prefill attend whose insert workgroups write the step's K/V first
+PREFILL_INS = K.SparseAttnPrefillMfmaSpec(MsaConfig(kv_dtype="fp8_e4m3fnuz"), 16).with_insert()
 # the indexer gfx942 serves on matrix cores: a decode step's 4 tokens together, and query tiles
 # with the attend's page table emitted (e4m3fn keys and queries)
 INDEX_DECODE = K.indexer_set(MsaConfig(), "gfx942").gpu(4)
@@ -28,7 +30,7 @@ INDEX_TILED = K.indexer_set(MsaConfig(kv_dtype="fp8_e4m3fn"), "gfx942", fp8_quer
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     out = tmp_path_factory.mktemp("gfx942")
-    C.build(None, ["gfx942"], out, specs=[MFMA, INSERT, MFMA_INS, INDEX_DECODE, INDEX_TILED], log=lambda m: None)
+    C.build(None, ["gfx942"], out, specs=[MFMA, INSERT, MFMA_INS, PREFILL_INS, INDEX_DECODE, INDEX_TILED], log=lambda m: None)
     return out, json.loads((out / "manifest.json").read_text())["kernels"]
 
 
@@ -100,6 +102,25 @@ def test_the_inserting_attends_plan_passes_what_its_kernel_declares(build, token
     assert grid == [MFMA.splits(tokens), tokens, 1] and sorted(k for k, _ in bindings) == list(range(14))
     check_kernarg_layout(kernels[name], len(bindings), len(constants))
     assert kernels["split"].kernarg_size == 8 * 14 + 4 * sum(k == "by_value" for _, _, k in kernels["split"].args)
+
+
+@pytest.mark.parametrize("tokens", [5, 2111])
+def test_the_inserting_prefills_plan_passes_what_its_kernel_declares(build, tokens):
+    """PREFILL_INS (query positions, then key, value and slots after v_scale): one dispatch, its
+    grid the attend's rows plus ceil(ceil(tokens / 16) / splits) rows of insert workgroups, its 15
+    bindings and constants what its code object declares."""
+    vmfb, plan = _module(build, PREFILL_INS)
+    kernels = kernels_of(hsaco_of(vmfb))
+    assert set(kernels) == {"split"}
+    shapes = [(tokens, 16, 128), (4000, 2048), (4000, 2048), (1, tokens, 16), (3, 40), (tokens,), (tokens,), (1,),
+              (1, 1), (1, 1), (tokens, 1, 128), (tokens, 1, 128), (tokens,), (tokens, 16, 128),
+              (PREFILL_INS.workspace_floats(tokens),)]
+    dtypes = ["bfloat16", "int8", "int8"] + ["int32"] * 4 + ["float32"] * 3 + ["bfloat16", "bfloat16", "int32",
+                                                                                "bfloat16", "float32"]
+    ((name, grid, constants, bindings),) = DispatchPlan(plan).evaluate(shapes, dtypes)
+    splits, inserts = PREFILL_INS.splits(tokens), -(-tokens // 16)
+    assert grid == [splits, tokens + -(-inserts // splits), 1] and sorted(k for k, _ in bindings) == list(range(15))
+    check_kernarg_layout(kernels[name], len(bindings), len(constants))
 
 
 @pytest.mark.parametrize("spec", [INDEX_DECODE, INDEX_TILED], ids=lambda s: s.name)

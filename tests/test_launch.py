@@ -15,7 +15,7 @@ import torch
 from msa_iree import compile as C
 from msa_iree import ops as K
 from msa_iree.config import MsaConfig
-from msa_iree.ops.tuning import ARRIVAL_COUNTERS
+from msa_iree.ops.tuning import COUNTER_WORDS
 from msa_iree.runtime.cuda_launch import (DispatchPlan, StreamKernel, entries_using_shared, ptx_entries, ptx_of, shared_bytes,
                              with_dependent_launch, with_l2_evict_first)
 
@@ -24,6 +24,7 @@ FMA = K.SparseAttnDecodeFmaSpec(MsaConfig(num_heads=16, num_kv_heads=2), 8)     
 INSERT = K.InsertKvGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn", num_kv_heads=2), 16)       # writes the cache (operand 0)
 MMA_FP8 = K.SparseAttnDecodeMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16)            # K/V staged by cp.async
 MMA_INS = MMA.with_insert()                                                          # writes the step's K/V too
+PREFILL_INS = K.SparseAttnPrefillMmaSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16).with_insert()  # insert workgroups first
 # the decode indexer CUDA serves for an fp8 index cache (tensor cores; its groups take turns at the splits)
 INDEX_MMA = K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 0, 1, dot="mma")
 
@@ -31,7 +32,7 @@ INDEX_MMA = K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 0, 1, dot="
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     out = tmp_path_factory.mktemp("cuda")
-    C.build(None, ["cuda"], out, specs=[MMA, FMA, INSERT, MMA_FP8, MMA_INS, INDEX_MMA], log=lambda m: None)
+    C.build(None, ["cuda"], out, specs=[MMA, FMA, INSERT, MMA_FP8, MMA_INS, PREFILL_INS, INDEX_MMA], log=lambda m: None)
     return out, json.loads((out / "manifest.json").read_text())["kernels"]
 
 
@@ -126,6 +127,24 @@ def test_only_kernels_that_touch_shared_memory_get_it(build):
         assert entries_using_shared(ptx_of((out / kernels[spec.name]["file"]).read_bytes()).decode()) == expected, spec.name
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 16, 17, 100, 128, 129, 2111])
+def test_the_inserting_prefill_grid_adds_its_insert_workgroups(build, tokens):
+    """The inserting prefill attend's grid as IREE lowered it: the attend's (splits, rows), plus
+    whole grid rows of insert workgroups for ceil(tokens / 16) of them (insert_tokens); every
+    operand bound (key, value and slots after v_scale)."""
+    spec = PREFILL_INS
+    shapes = [(tokens, 16, 128), (4000, 2048), (4000, 2048), (1, tokens, 16), (3, 40), (tokens,), (tokens,), (1,),
+              (1, 1), (1, 1), (tokens, 1, 128), (tokens, 1, 128), (tokens,), (tokens, 16, 128),
+              (spec.workspace_floats(tokens),)]
+    dtypes = ["bfloat16", "int8", "int8"] + ["int32"] * 4 + ["float32"] * 3 + ["bfloat16"] * 2 + ["int32", "bfloat16",
+                                                                                                  "float32"]
+    ((name, grid, _, bindings),) = _plan(build, spec).evaluate(shapes, dtypes)
+    splits = spec.splits(tokens)
+    inserts = -(-tokens // 16)
+    assert name == "split" and grid == [splits, tokens + -(-inserts // splits), 1], (tokens, splits, grid)
+    assert sorted(b[0] for b in bindings) == list(range(15))  # every operand bound, key, value and slots too
+
+
 def test_plans_refuse_what_iree_refuses(build):
     plan = _plan(build, MMA)
     shapes, dtypes = _operands(MMA, 8)
@@ -136,8 +155,8 @@ def test_plans_refuse_what_iree_refuses(build):
     with pytest.raises(ValueError, match="output: expected as many rows as the query"):
         plan.evaluate(shapes[:9] + [(9, 16, 128)] + shapes[10:], dtypes)
     with pytest.raises(ValueError, match="workspace"):
-        plan.evaluate(*_operands(MMA, 8, workspace=ARRIVAL_COUNTERS + 8 * 16 * 16 * 130 - 1))
-    plan.evaluate(*_operands(MMA, 8, workspace=ARRIVAL_COUNTERS + 8 * 16 * 16 * 130))  # exactly enough
+        plan.evaluate(*_operands(MMA, 8, workspace=COUNTER_WORDS + 8 * 16 * 16 * 130 - 1))
+    plan.evaluate(*_operands(MMA, 8, workspace=COUNTER_WORDS + 8 * 16 * 16 * 130))  # exactly enough
 
 
 def test_what_is_not_interpreted_raises():

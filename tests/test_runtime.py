@@ -608,6 +608,50 @@ def test_a_step_with_prefills_is_one_gpu_launch_whose_rows_are_the_phases_rows(L
     assert (whole[1][:nd] > 0).sum() >= nd - 1 and (whole[1][nd:] > 0).any()  # (the tables are not empty)
 
 
+def test_a_step_with_prefills_inserts_its_new_kv_in_its_one_launch():
+    """forward(key=, value=) on a step with prefills, the attends launched on the stream: no
+    insert launch of its own; the one launch is the prefill attend's inserting variant (its
+    insert workgroups first, templates/sparse_attend.mlir.j2) over every row, the step's key,
+    value and slot rows its last operands. Kernels without that variant insert first."""
+    from types import SimpleNamespace
+
+    from msa_iree.ops import GPU_ATTEND
+
+    for inserting in (True, False):
+        log = []
+        kernels = SimpleNamespace(target="cuda", stream_launch=True, zero_copy=False, to_iree=lambda t: t,
+                                  unit_scale=lambda h, device: torch.ones(h, 1), stream_kernel=lambda spec: None,
+                                  workspace=lambda floats, device: torch.zeros(floats),
+                                  run=lambda spec, *args, out: log.append((spec, args)))
+        attn = SparseAttention(16, 1, 128, 128 ** -0.5, BF16, kernels=kernels)
+        assert attn.fuses_insert
+        if not inserting:  # (the GPU attends of a family without the variant)
+            attn.fuses_insert = False
+            attn.insert_kv = lambda *a, **kw: log.append(("insert_kv", a))
+        builder = MetadataBuilder(max_num_seqs=2, max_model_len=1024, num_cache_blocks=13)
+        qsl = torch.tensor([0, 1, 71], dtype=torch.int32)
+        seq = torch.tensor([300, 270], dtype=torch.int32)
+        bt = torch.tensor([[3, 5, 7, 0], [1, 2, 4, 6]], dtype=torch.int32)
+        slots = torch.cat([torch.tensor([7 * 128 + 299 - 256]), 4 * 128 + torch.arange(200, 270) - 256]).int()
+        md = builder.build(bt, seq, qsl, seq - (qsl[1:] - qsl[:-1]), 1, 1, slot_mapping=slots)
+        n = md.num_actual_tokens
+        topk = torch.full((1, n, 16), -1, dtype=torch.int32)
+        k, v = allocate_kv_cache(13, 1, BF16, fill=0)
+        q = torch.zeros(n, 16, 128, dtype=BF16)
+        key, value = torch.ones(n, 1, 128, dtype=BF16), torch.ones(n, 1, 128, dtype=BF16)
+        attn.forward(q, k, v, torch.empty_like(q), topk, md, key=key, value=value)
+        prefill = GPU_ATTEND["mma", "cuda"][1]
+        if inserting:
+            ((spec, args),) = log
+            assert spec == attn._spec(prefill, 16, insert=True) and spec.insert_kv and spec.prefill
+            assert args[-3] is key and args[-2] is value and args[-1] is md.slot_mapping
+            assert all(a is b for a, b in zip(args[4:7], (md.block_table, md.token_req_id, md.token_abs_pos)))
+        else:
+            (insert, _), (spec, args) = log
+            assert insert == "insert_kv" and spec == attn._spec(prefill, 16) and not spec.insert_kv
+            assert len(args) == 10  # the attend alone: no key, value or slots
+
+
 def test_a_bound_inserting_step_serves_only_calls_that_bring_its_key_and_value(monkeypatch):
     """A decode-only step whose attend inserts: the key and value rows launched beside the query's;
     a call without them, of another dtype, or writing a slot past the cache is refused."""

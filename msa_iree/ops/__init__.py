@@ -84,8 +84,8 @@ def unbuilt_attends(cfg: MsaConfig, target: str) -> dict[str, str]:
 def with_variants(specs) -> list:
     """`specs`, each followed by its graph variant where that is another module (GpuAttendSpec.for_graph:
     the decode attends a CUDA / HIP graph captures) and by its inserting variant where it has one
-    (GpuAttendSpec.with_insert: the decode attend that also writes the step's new K/V, and its
-    graph variant)."""
+    (GpuAttendSpec.with_insert: the top-k attend that also writes the step's new K/V, and a
+    decode's graph variant of it)."""
     inserting = [i for i in (s.with_insert() for s in specs) if i is not None]
     return [v for s in specs for v in dict.fromkeys((s, s.for_graph()))] + [
         v for s in inserting for v in dict.fromkeys((s, s.for_graph()))]
@@ -102,7 +102,7 @@ def kernel_set(cfg: MsaConfig, strides=(16, 8), decode_query_lens=(1, 2, 3, 4), 
             specs += [BuildDecodeTableSpec(cfg.replace(decode_query_len=L), stride),
                       SparseAttnDecodeSpec(cfg.replace(decode_query_len=L), stride)]
             specs += with_variants([decode(cfg.replace(decode_query_len=L), stride) for decode, _ in gpu_attends])
-        specs += [prefill(cfg, stride) for _, prefill in gpu_attends]
+        specs += with_variants([prefill(cfg, stride) for _, prefill in gpu_attends])
         if stride == 16:  # a given page table is read over an interleaved cache only
             specs += with_variants([GPU_PAGED_ATTEND[f](cfg, stride) for f in served_families(cfg, target)])
         if target in InsertKvGpuSpec.targets:

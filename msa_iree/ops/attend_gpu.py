@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from .spec import FP8_FORMAT, MLIR_ELEMENT, TemplateSpec, render_template
-from .tuning import ARRIVAL_COUNTERS, PREFILL_TUNING, TUNING, AttendTuning
+from .tuning import ARRIVAL_COUNTERS, COUNTER_WORDS, PREFILL_TUNING, TUNING, AttendTuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +28,8 @@ class GpuAttendSpec(TemplateSpec):
     # sequence, which the caller knows and the table does not show): kv_read_once; the module is
     # the same, so the name is too
     read_once: bool = False
-    # a decode attend that writes the step's new K/V into the cache itself before it reads (the
-    # KV insert fused in: a layer's decode step in one launch); the matrix families' only
+    # an attend that writes the step's new K/V into the cache itself before it reads (the KV
+    # insert fused in: a layer's step in one launch); the matrix families' top-k attends only
     insert_kv: bool = False
 
     template = "sparse_attend.mlir.j2"
@@ -59,8 +59,8 @@ class GpuAttendSpec(TemplateSpec):
         if (self.tuning.prefetch_next or self.tuning.prefetch_next_fp8) and self.family != "mma":
             raise ValueError(f"tuning.prefetch_next: expected only for the mma family (CUDA's prefetch.global.L2), "
                              f"got it for {self.family}")
-        if self.insert_kv and (self.prefill or self.paged or self.family not in self.FUSED_FAMILIES):
-            raise ValueError(f"insert_kv: expected only for a decode attend of the {'/'.join(self.FUSED_FAMILIES)} "
+        if self.insert_kv and (self.paged or self.family not in self.FUSED_FAMILIES):
+            raise ValueError(f"insert_kv: expected only for a top-k attend of the {'/'.join(self.FUSED_FAMILIES)} "
                              f"families, got it for {self.kernel}")
         if self.read_once and not self.paged:
             raise ValueError(f"read_once: expected only for a page-table attend (its rows' reads are not known "
@@ -103,7 +103,9 @@ class GpuAttendSpec(TemplateSpec):
                 "SORT_BLOCKS": t.sort_blocks and not self.prefill and not self.paged and self.cfg.decode_query_len > 1,
                 # decode rows of one token a request only: where rows share pages the L2 is the bound
                 # (a given table's read_once is not in the module's name: its module stays one)
-                "PREFETCH_NEXT": t.prefetch_sides(fp8) if self.kv_read_once and not self.paged else ""}
+                "PREFETCH_NEXT": t.prefetch_sides(fp8) if self.kv_read_once and not self.paged else "",
+                # an inserting prefill attend's insert workgroups (templates/sparse_attend.mlir.j2, step_roles)
+                "INS_TOKENS": t.insert_tokens if self.insert_kv and self.prefill else 0}
 
     def q_first_applies(self, wanted: bool) -> bool:
         return wanted
@@ -131,7 +133,8 @@ class GpuAttendSpec(TemplateSpec):
     def variant(self) -> str:
         # a decode's L is in its name; prefill and page-table rows carry their own positions
         base = super().variant if self.prefill or self.paged else f"{super().variant}.L{self.cfg.decode_query_len}"
-        return f"{base}.{self.tag}" + (".ins" if self.insert_kv else "")
+        insert = f".ins{self.knobs()['INS_TOKENS'] or ''}" if self.insert_kv else ""
+        return f"{base}.{self.tag}{insert}"
 
     @property
     def written_operands(self) -> tuple:
@@ -151,7 +154,7 @@ class GpuAttendSpec(TemplateSpec):
                                QT=MLIR_ELEMENT[c.query_dtype], KT=MLIR_ELEMENT[c.kv_dtype],
                                FP8=FP8_FORMAT.get(c.kv_dtype), STRIDE=self.stride, PREFILL=self.prefill, PAGED=self.paged,
                                MMA=self.family == "mma", MFMA=self.family == "mfma", EMULATE=self.emulate_mfma,
-                               INSERT=self.insert_kv, ARRIVALS=ARRIVAL_COUNTERS, **self.knobs())
+                               INSERT=self.insert_kv, ARRIVALS=ARRIVAL_COUNTERS, COUNTERS=COUNTER_WORDS, **self.knobs())
 
     # ---- what the runtime needs to know ----
 
@@ -161,11 +164,11 @@ class GpuAttendSpec(TemplateSpec):
 
     def workspace_floats(self, num_tokens: int) -> int:
         """f32 elements of the workspace `main` takes after the output, enough for any call of up
-        to num_tokens tokens: ARRIVAL_COUNTERS i32 counters (zero before the first call; every
+        to num_tokens tokens: COUNTER_WORDS i32 counters (zero before the first call; every
         call leaves them zero), then the split partials o and (m, l), 130 floats per (row, split,
         head) (the MFMA family stores o in f16 and (m, l, o's scale): 67 floats of that room)."""
         rows = num_tokens * self.cfg.num_kv_heads
-        return ARRIVAL_COUNTERS + self.tuning.max_partials(rows, self.cfg.is_fp8) * self.cfg.group_size * 130
+        return COUNTER_WORDS + self.tuning.max_partials(rows, self.cfg.is_fp8) * self.cfg.group_size * 130
 
     def for_graph(self) -> "GpuAttendSpec":
         """The variant a CUDA / HIP graph captures: a decode or page-table attend with fused_merge
@@ -180,11 +183,12 @@ class GpuAttendSpec(TemplateSpec):
         return dataclasses.replace(self, tuning=dataclasses.replace(self.tuning, fused_merge=False))
 
     def with_insert(self) -> "GpuAttendSpec | None":
-        """This decode attend with the KV insert fused in (insert_kv: `main` also takes the step's
-        new key, value [T, H, 128] and slots [T] after v_scale, and writes them into the k/v page
-        views before it reads them), where it has one (a decode attend of the matrix families,
-        one dispatch or, its graph variant, two); else None."""
-        if self.prefill or self.paged or self.family not in self.FUSED_FAMILIES:
+        """This attend with the KV insert fused in (insert_kv: `main` also takes the step's new
+        key, value [T, H, 128] and slots [T] after v_scale, and writes them into the k/v page
+        views before it reads them), where it has one (a top-k attend of the matrix families: a
+        decode's workgroups write what their rows read; a prefill's (a step with prefills, every
+        row) has insert workgroups that the attend's wait for); else None."""
+        if self.paged or self.family not in self.FUSED_FAMILIES:
             return None
         return dataclasses.replace(self, insert_kv=True)
 

@@ -20,10 +20,15 @@ SPLITS = ((16, 16), (32, 8), (64, 4), (128, 2))
 # fp8 rows of the MFMA attend split at most 8 ways: the partials written between its two
 # dispatches stay under 10% of the K/V bytes a row reads (f32 partials at 16 splits: 25%)
 SPLITS_AT_MOST_8 = ((16, 8), (32, 8), (64, 4), (128, 2))
-# The attend's workspace opens with one i32 counter per row that a split rule may split (rows
-# 0..ARRIVAL_COUNTERS - 1), its partials after: with fused_merge a row's workgroups count
-# themselves done there and the last one merges the row (it sets the count back to 0)
+# The attend's workspace opens with COUNTER_WORDS i32 counters, its partials after (640 bytes in:
+# 128-byte aligned). First one per row that a split rule may split (rows 0..ARRIVAL_COUNTERS - 1):
+# with fused_merge a row's workgroups count themselves done there and the last one merges the row
+# (it sets the count back to 0). Then STEP_COUNTERS words that order an inserting prefill attend's
+# workgroups (templates/sparse_attend.mlir.j2, step_roles): the tickets taken, the insert
+# workgroups done, the workgroups gone (the last one sets all three back to 0). The rest: spare.
 ARRIVAL_COUNTERS = 128
+STEP_COUNTERS = 3
+COUNTER_WORDS = 160
 
 
 def _fp8_or(value, fp8_value, fp8: bool):
@@ -52,6 +57,7 @@ class AttendTuning:
     prefetch_next: str = ""               # mma, rows that read their own pages: the next entry's pages of these
                                           # sides ("k", "v", "kv") asked of the L2 as a block starts, 16-bit caches
     prefetch_next_fp8: str | None = None  # ... for fp8 caches (None: prefetch_next)
+    insert_tokens: int = 16               # an inserting prefill attend: new tokens each insert workgroup writes
 
     def __post_init__(self):
         for name in ("splits", "splits_fp8"):
@@ -68,6 +74,9 @@ class AttendTuning:
         if self.prefetch_next not in sides or self.prefetch_next_fp8 not in sides + (None,):
             raise ValueError(f"AttendTuning.prefetch_next, prefetch_next_fp8: expected '', 'k', 'v' or 'kv' (the "
                              f"sides prefetched; fp8 also None), got {self.prefetch_next!r}, {self.prefetch_next_fp8!r}")
+        if self.insert_tokens < 1:
+            raise ValueError(f"AttendTuning.insert_tokens: expected at least 1 token an insert workgroup, "
+                             f"got {self.insert_tokens}")
         if self.bt_preload % 256:  # the staged row is copied by the 256 threads, 256 columns a step
             raise ValueError(f"AttendTuning.bt_preload: expected a multiple of 256 block-table columns, "
                              f"got {self.bt_preload}")

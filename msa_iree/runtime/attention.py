@@ -20,7 +20,7 @@ from ..layout import BLOCK_SIZE, PAGES_PER_BLOCK, block_page_stride
 from ..ops import (GPU_ATTEND, GPU_PAGED_ATTEND, NATIVE_MATRIX, SparseAttnDecodeFmaSpec, SparseAttnDecodeSpec,
                    SparseAttnPrefillFmaSpec, SparseAttnPrefillSpec, SparsePagedAttendSpec)
 from ..ops.fp8 import storage_dtype
-from ..ops.tuning import ARRIVAL_COUNTERS
+from ..ops.tuning import COUNTER_WORDS
 from .binding import _contiguous_copies, _LayerBinding, _refresh_copies
 from .kv_insert import _insert_plan, _InsertLaunch, _run_insert
 from .library import KernelLibrary, _current_raw_stream, module_scale
@@ -87,11 +87,11 @@ class SparseAttention:
             checks.check_dtype("workspace", workspace, torch.float32)
             if not workspace.is_contiguous():
                 raise ValueError("workspace: expected a contiguous tensor, got a strided view")
-            if workspace.numel() < ARRIVAL_COUNTERS:
-                raise ValueError(f"workspace: expected at least {4 * ARRIVAL_COUNTERS} bytes (its arrival counters), "
+            if workspace.numel() < COUNTER_WORDS:
+                raise ValueError(f"workspace: expected at least {4 * COUNTER_WORDS} bytes (its counters), "
                                  f"got {4 * workspace.numel()}")
-            # the attend's arrival counters (its first words) must start at zero; each call leaves them so
-            workspace[:ARRIVAL_COUNTERS].zero_()
+            # the attend's counters (its first words) must start at zero; each call leaves them so
+            workspace[:COUNTER_WORDS].zero_()
             zero_copy = self.kernels.zero_copy and not self.kernels.stream_launch
             self._workspace_view = self.kernels.to_iree(workspace) if zero_copy else workspace
         # the hand-written GPU attend (decode and prefill) where the target and head grouping allow it
@@ -102,10 +102,11 @@ class SparseAttention:
             if self.gpu_decode else (SparseAttnDecodeFmaSpec, SparseAttnPrefillFmaSpec)
         # a given page table (sparse_block_table): every row of a step in one launch of this
         self.paged_spec = GPU_PAGED_ATTEND[self.gpu_matrix, self.kernels.target] if self.gpu_decode else None
-        # forward(key=, value=) on a decode step: the insert inside the attend's launch where the
-        # decode attend has that variant and is launched on torch's stream
+        # forward(key=, value=): the insert inside the attend's launch where the top-k attends (decode,
+        # and prefill: a step with prefills) have that variant and are launched on torch's stream
         self.fuses_insert = bool(self.gpu_decode and self.kernels.stream_launch
-                                 and self.decode_spec(self.cfg, 16).with_insert() is not None)
+                                 and all(cls(self.cfg, 16).with_insert() is not None
+                                         for cls in (self.decode_spec, self.prefill_spec)))
 
     # the folded page views the modules read: [pages * H, ...] (id = page * H + head)
     @staticmethod
@@ -117,7 +118,7 @@ class SparseAttention:
         step's rows each read their own pages (a decode step of one token a sequence: its loads
         then carry the L2 evict-first hint). graph: the call is being captured in a CUDA / HIP
         graph, which launches the GPU decode attends' graph variant (GpuAttendSpec.for_graph).
-        insert: the GPU decode attend that inserts the step's new K/V itself (with_insert)."""
+        insert: the GPU top-k attend that inserts the step's new K/V itself (with_insert)."""
         key = (cls, stride, decode_query_len, read_once, graph, insert)
         spec = self._specs.get(key)
         if spec is None:
@@ -183,10 +184,10 @@ class SparseAttention:
         return views
 
     def workspace_size(self, max_num_tokens: int) -> int:
-        """Bytes of the GPU attend's workspace (its arrival counters, then its split partials)
+        """Bytes of the GPU attend's workspace (its counters, then its split partials)
         that serve any step of up to max_num_tokens tokens, decode or prefill: the size of a
         caller-owned `workspace`. The layer zeroes the counters when it is given the workspace;
-        the caller keeps other kernels from writing its first 512 bytes (ARRIVAL_COUNTERS i32)
+        the caller keeps other kernels from writing its first 640 bytes (COUNTER_WORDS i32)
         while layers use it (the library's own workspace is the attend's alone)."""
         specs = (self._spec(self.decode_spec, 16), self._spec(self.prefill_spec, 16))
         return 4 * max(s.workspace_floats(max_num_tokens) for s in specs)
@@ -241,16 +242,15 @@ class SparseAttention:
                                                  (k_cache, v_cache, k_scale, v_scale), operands, capacity)
 
     def _fused_insert(self, metadata, query, key, value, tables) -> bool:
-        """Whether forward's key/value go into the cache inside the attend's launch: a decode-only
-        step on the GPU attend with that variant, launched on torch's stream (eagerly or in a
-        captured graph), no page table given, new keys and values in the query's dtype. (Else
-        insert_kv runs first.)"""
+        """Whether forward's key/value go into the cache inside the attend's launch: a step on the
+        GPU top-k attends with that variant, launched on torch's stream (eagerly or in a captured
+        graph), no page table given, new keys and values in the query's dtype. (Else insert_kv
+        runs first.)"""
         if (key is None) != (value is None):
             raise ValueError(f"key, value: expected both (the step's new tokens, inserted before the attend) or "
                              f"neither, got key={'None' if key is None else 'a tensor'} and value="
                              f"{'None' if value is None else 'a tensor'}")
-        return (self.fuses_insert and not tables and metadata.prefill is None
-                and metadata.decode is not None and key.dtype == query.dtype and value.dtype == query.dtype)
+        return self.fuses_insert and not tables and key.dtype == query.dtype and value.dtype == query.dtype
 
     def _check_new_kv(self, key, value, query, num_tokens):
         """forward's key/value for the attend that inserts them: [>= tokens, H, 128] of the query's
@@ -286,9 +286,9 @@ class SparseAttention:
         every id into the cache (memory-safe, not checked).
         key/value [>= tokens, H, 128] bf16/fp16 (optional): the step's new tokens, written into
         the cache before the attend reads it, as insert_kv(key, value, k_cache, v_cache, metadata,
-        k_scale, v_scale) writes them; on a decode-only step over the GPU attend (`fuses_insert`)
-        that write is done by the attend's own launch (one launch a layer; a kernel fewer in a
-        captured graph).
+        k_scale, v_scale) writes them; over the GPU top-k attend (`fuses_insert`) that write is
+        done by the attend's own launch, decode-only steps and steps with prefills alike (one
+        launch a layer; a kernel fewer in a captured graph).
         """
         if metadata is None:
             return output  # a profiling run: nothing to attend
@@ -354,7 +354,7 @@ class SparseAttention:
                               insert=key is not None)
             holder, names = metadata.decode, _DECODE_STEP
         else:  # with prefills: one attend over every row of the step, each at its own request and position
-            spec = self._spec(self.prefill_spec, stride)
+            spec = self._spec(self.prefill_spec, stride, insert=key is not None)
             holder, names = metadata, _STEP_ROWS
         step_tensors = self._step_views(holder, *names)
         args = (_rows(query, 0, n), kpv, vpv, _rows(topk, 0, n, 1), *step_tensors, scale_v, ksv, vsv)
@@ -366,7 +366,7 @@ class SparseAttention:
         self.kernels.run(spec, *args, out=[out_rows, ws])  # written in place
         step = {4 + i: getattr(holder, name) for i, name in enumerate(names)}
         if key is not None:
-            step[11] = metadata.slot_mapping
+            step[len(args) - 1] = metadata.slot_mapping
         bound = _StepLaunch.bind(self.kernels, metadata, layer, (k_cache, v_cache, k_scale, v_scale),
                                  (query, topk, output), (spec, args, out_rows, ws, step), graph, (key, value))
         if metadata.prefill is None:
@@ -419,8 +419,8 @@ class _StepLaunch(_LayerBinding):
         """None unless the attend is launched on torch's stream from the call tensors' own memory.
         layer_tensors: (k_cache, v_cache, k_scale, v_scale); call_tensors: (query, topk, output);
         launched: (spec, args, output rows, workspace, step tensors): the module's inputs as
-        forward passed them (query rows at 0, top-k rows at 3; with new_kv, an inserting decode
-        attend's key and value rows at 9 and 10) and {argument index: the metadata's tensor} that
+        forward passed them (query rows at 0, top-k rows at 3; with new_kv, an inserting attend's
+        key, value and slot rows last) and {argument index: the metadata's tensor} that
         those arguments must be (else they were copied for the launch: a later step would not be
         seen); graph: whether it was bound while a graph was captured (it then serves only such
         calls)."""
@@ -431,15 +431,16 @@ class _StepLaunch(_LayerBinding):
         sk = kernels.stream_kernel(spec) if kernels.stream_launch else None
         # the kernel reads and writes the call tensors from their first rows: their addresses per call
         rows = [(args[0], query), (args[3], topk), (out_rows, output)]
+        nk = len(args) - 3  # an inserting attend's key, value and slots: its last operands
         if insert:
-            rows += [(args[9], key), (args[10], value)]
+            rows += [(args[nk], key), (args[nk + 1], value)]
         if (sk is None or not all(t.is_contiguous() and r.is_contiguous() and r.data_ptr() == t.data_ptr()
                                   for r, t in rows)
                 or any(args[i].data_ptr() != t.data_ptr() for i, t in step_tensors.items())):
             return None
         self = cls()
         self.graph, self.insert = graph, insert
-        self.launch = sk.bind([*args, out_rows, workspace], variable=(0, 3, 9, 10, len(args)) if insert
+        self.launch = sk.bind([*args, out_rows, workspace], variable=(0, 3, nk, nk + 1, len(args)) if insert
                               else (0, 3, len(args)))
         self.num_blocks = layer.num_blocks
         self._hold(metadata.step_key, layer_tensors, layer.refresh)
@@ -452,8 +453,8 @@ class _StepLaunch(_LayerBinding):
                  value=None) -> bool:
         """Queue the attend if this call is one the binding serves (True); else False, nothing done.
         key/value: the step's new K/V, served only by an inserting attend's binding (and it only
-        serves calls that bring them): refused first, so that a mixed step's forward(key=, value=),
-        whose binding does not insert, costs one compare before its insert runs."""
+        serves calls that bring them): refused first, so that a call with them, whose binding does
+        not insert (kernels without the variant), costs one compare before its insert runs."""
         if ((key is not None or value is not None) != self.insert
                 or not self._serves(metadata, k_cache, v_cache, k_scale, v_scale)
                 or metadata.max_block_id >= self.num_blocks):

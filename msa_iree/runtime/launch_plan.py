@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 
 _BINARY = {"muli": lambda a, b: a * b, "addi": lambda a, b: a + b, "subi": lambda a, b: a - b,
-           "divui": lambda a, b: a // b, "remui": lambda a, b: a % b, "andi": lambda a, b: a & b,
+           "divui": lambda a, b: a // b, "ceildivui": lambda a, b: -(-a // b), "remui": lambda a, b: a % b,
+           "andi": lambda a, b: a & b,
            "ori": lambda a, b: a | b, "xori": lambda a, b: a ^ b, "shrui": lambda a, b: a >> b,
            "shli": lambda a, b: a << b, "maxui": max, "minui": min, "maxsi": max, "minsi": min}
 _COMPARE = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "ult": lambda a, b: a < b,

@@ -159,11 +159,11 @@ class KernelLibrary:
         return ones[:num_kv_heads]
 
     def workspace(self, floats: int, device, owner: str = "attend"):
-        """Scratch for the GPU kernels of `owner` ("attend": the attend's arrival counters and
+        """Scratch for the GPU kernels of `owner` ("attend": the attend's counters and
         split partials, `spec.workspace_floats`; "indexer": the indexer's), one per device and
         owner, shared by every layer that calls through this library: their kernels run one after
         another on one stream, so one layer's partials are consumed before the next layer's are
-        written. The attend's starts zeroed (its arrival counters must be zero before a call and
+        written. The attend's starts zeroed (its counters must be zero before a call and
         every call leaves them so; the indexer's kernels never touch it). Grown (reallocated,
         never below 1 MiB) when a call needs more, so the steady state allocates nothing; a launch
         bound to the old buffer keeps it alive. Returns what a call passes: the tensor, or its
