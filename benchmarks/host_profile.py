@@ -6,7 +6,8 @@
   launch through ctypes (and through cuda-bindings when it is importable), the bound checks;
   then forward(key=, value=) (the insert inside the attend's launch), its bound launch alone and
   with --profile its cProfile top;
-- with --profile, the cProfile top of a mixed step's 57 layers (the fully checked path).
+- with --profile, the cProfile top of ten mixed steps after a first one (each a build and 57
+  layers' bound calls).
 
 Host times are per call, medians over rounds of 57 calls (one sync a round).
 

@@ -2,9 +2,8 @@
 (`MetadataBuilder.build` on the step's own new tensors), then for each of 57 layers, each its own
 `SparseAttention` over its own KV cache, the step's new tokens inserted and attended; one sync a
 step. --insert says how a layer inserts: "forward" (the default) passes them to `forward(key=,
-value=)`, which on a decode step writes them inside the attend's own launch (one launch a layer,
-a kernel fewer in a captured step; a mixed step inserts first); "separate" calls `insert_kv`,
-then `forward`.
+value=)`, which writes them inside the attend's own launch (one launch a layer, decode and mixed
+steps alike; a kernel fewer in a captured step); "separate" calls `insert_kv`, then `forward`.
 
 Cases: decode B x context x query heads per KV head x KV dtype (every request `context` tokens,
 one new), and a mixed step (one 2K-token prefill chunk, the last 2048 tokens of a 4K request,
