@@ -625,9 +625,9 @@ def test_a_step_with_prefills_inserts_its_new_kv_in_its_one_launch():
                                   run=lambda spec, *args, out: log.append((spec, args)))
         attn = SparseAttention(16, 1, 128, 128 ** -0.5, BF16, kernels=kernels)
         assert attn.fuses_insert
+        attn.insert_kv = lambda *a, **kw: log.append(("insert_kv", a))  # an insert launch of its own, if any
         if not inserting:  # (the GPU attends of a family without the variant)
             attn.fuses_insert = False
-            attn.insert_kv = lambda *a, **kw: log.append(("insert_kv", a))
         builder = MetadataBuilder(max_num_seqs=2, max_model_len=1024, num_cache_blocks=13)
         qsl = torch.tensor([0, 1, 71], dtype=torch.int32)
         seq = torch.tensor([300, 270], dtype=torch.int32)
@@ -642,6 +642,7 @@ def test_a_step_with_prefills_inserts_its_new_kv_in_its_one_launch():
         attn.forward(q, k, v, torch.empty_like(q), topk, md, key=key, value=value)
         prefill = GPU_ATTEND["mma", "cuda"][1]
         if inserting:
+            assert [entry[0] for entry in log] == [attn._spec(GPU_ATTEND["mma", "cuda"][1], 16, insert=True)]
             ((spec, args),) = log
             assert spec == attn._spec(prefill, 16, insert=True) and spec.insert_kv and spec.prefill
             assert args[-3] is key and args[-2] is value and args[-1] is md.slot_mapping
