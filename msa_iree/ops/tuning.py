@@ -23,11 +23,10 @@ SPLITS_AT_MOST_8 = ((16, 8), (32, 8), (64, 4), (128, 2))
 # The attend's workspace opens with COUNTER_WORDS i32 counters, its partials after (640 bytes in:
 # 128-byte aligned). First one per row that a split rule may split (rows 0..ARRIVAL_COUNTERS - 1):
 # with fused_merge a row's workgroups count themselves done there and the last one merges the row
-# (it sets the count back to 0). Then STEP_COUNTERS words that order an inserting prefill attend's
-# workgroups (templates/sparse_attend.mlir.j2, step_roles): the tickets taken, the insert
-# workgroups done, the workgroups gone (the last one sets all three back to 0). The rest: spare.
+# (it sets the count back to 0). Then 3 words that order an inserting prefill attend's workgroups
+# (templates/sparse_attend.mlir.j2, step_roles): the tickets taken, the insert workgroups done,
+# the workgroups gone (the last one sets all three back to 0). The rest: spare.
 ARRIVAL_COUNTERS = 128
-STEP_COUNTERS = 3
 COUNTER_WORDS = 160
 
 

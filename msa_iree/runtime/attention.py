@@ -5,8 +5,9 @@ prefill parts: the hand-written GPU attend where the target and head grouping al
 on torch's stream on CUDA), else the portable module. On the GPU attend a step is one launch: a
 decode-only step's decode attend, or for a step with prefills the prefill attend over every row
 (decode rows included, each at its own request and position). Given the step's new key and value, `forward`
-also inserts them: for a decode step on the GPU attend, inside the attend's own launch
-(GpuAttendSpec.insert_kv: one launch a layer), else through `insert_kv` first.
+also inserts them: on the GPU top-k attend, inside the attend's own launch, decode-only steps and
+steps with prefills alike (GpuAttendSpec.insert_kv: one launch a layer), else through `insert_kv`
+first.
 """
 from __future__ import annotations
 
@@ -312,7 +313,7 @@ class SparseAttention:
         self._check(query, k_cache, output, topk, n)
         layer = self._layer_state(k_cache, v_cache, k_scale, v_scale)
         metadata.check_cache_blocks(layer.num_blocks)  # the step's largest block id, found by the builder
-        if key is not None:  # inserted by the decode attend (_fused_insert)
+        if key is not None:  # inserted by the attend (_fused_insert)
             self._check_new_kv(key, value, query, n)
             metadata.check_cache_slots(layer.num_blocks * BLOCK_SIZE)
         stride = layer.stride
@@ -358,7 +359,7 @@ class SparseAttention:
             holder, names = metadata, _STEP_ROWS
         step_tensors = self._step_views(holder, *names)
         args = (_rows(query, 0, n), kpv, vpv, _rows(topk, 0, n, 1), *step_tensors, scale_v, ksv, vsv)
-        if key is not None:  # the step's new K/V and their slots, written by the decode attend
+        if key is not None:  # the step's new K/V and their slots, written by the attend
             args += (_rows(key, 0, n), _rows(value, 0, n), _rows(metadata.slot_mapping, 0, n))
         # (checks.check_out: output is contiguous)
         ws = self._workspace_for(spec, n, query.device)
