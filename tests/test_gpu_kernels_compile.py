@@ -3,10 +3,10 @@ gfx942, and the gfx942 ISA has the properties the MI300X targets need (benchmark
 GPU by tests/test_gpu.py (the CPU cannot run them: llvm-cpu has no gpu.thread_id)."""
 import dataclasses
 import re
-import shutil
 import subprocess
 
 import pytest
+from toolchain import MISSING, PTXAS
 
 from msa_iree import compile as C
 from msa_iree import ops as K
@@ -397,7 +397,7 @@ def test_the_mma_indexer_ptx_scores_on_tensor_cores(tmp_path, spec):
         assert ".target sm_80" in ptx and "cvt.rn.f16x2.e4m3x2" not in score
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.skipif(PTXAS is None, reason=MISSING)
 @pytest.mark.parametrize("kv, rows", [("bf16", 1), ("bf16", 4), ("fp8_e4m3fn", 1)])
 def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows):
     """The served decode @score on tensor cores (two workgroups an SM: at most 128 registers)
@@ -408,7 +408,7 @@ def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows):
     ptx, score = _entry_ptx(tmp_path, spec, "score")
     path = tmp_path / "k.ptx"
     path.write_text(ptx)
-    run = subprocess.run(["ptxas", "-arch=sm_90", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
+    run = subprocess.run([PTXAS, "-arch=sm_90", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     entries = {e.split("'")[1]: e for e in run.stderr.split("Compiling entry function ")[1:]}

@@ -5,11 +5,11 @@ themselves run on a GPU (tests/test_gpu.py compares them byte for byte with IREE
 import ctypes
 import json
 import re
-import shutil
 import subprocess
 
 import gpu_cases
 import pytest
+from toolchain import MISSING, PTXAS
 import torch
 
 from msa_iree import compile as C
@@ -389,8 +389,7 @@ def test_l2_evict_first_refuses_a_global_load_it_does_not_know():
     assert "\tld.global.L2::cache_hint.v2.f32 {%r1, %r2}, [%rd1], %msa_l2_evict_first;\n" in with_l2_evict_first(plain)
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH: the driver's JIT "
-                    "checks the same PTX in the GPU tests")
+@pytest.mark.skipif(PTXAS is None, reason=MISSING)
 def test_ptxas_accepts_the_hinted_ptx_for_sm_90(build, tmp_path):
     """What StreamKernel loads on an H200 (hints, then the dependent launch's wait) assembles for
     sm_90 without errors."""
@@ -399,7 +398,7 @@ def test_ptxas_accepts_the_hinted_ptx_for_sm_90(build, tmp_path):
         ptx = ptx_of((out / kernels[spec.name]["file"]).read_bytes()).decode()
         path = tmp_path / f"{spec.name}.ptx"
         path.write_text(with_dependent_launch(with_l2_evict_first(ptx)))
-        run = subprocess.run(["ptxas", "-arch=sm_90", str(path), "-o", str(tmp_path / "out.cubin")],
+        run = subprocess.run([PTXAS, "-arch=sm_90", str(path), "-o", str(tmp_path / "out.cubin")],
                              capture_output=True, text=True)
         assert run.returncode == 0, (spec.name, run.stderr)
 
