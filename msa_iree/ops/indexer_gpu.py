@@ -158,7 +158,8 @@ class IndexTopkGpuSpec(TemplateSpec):
     def _dot_knob(self) -> str:
         t, c = self.tuning_row, self.cfg
         if self.dot == "mma":
-            return f".mma{t.tiles_for(c.is_fp8)}" + (f"cta{t.min_ctas_per_sm}" if t.min_ctas_per_sm else "")
+            return (f".mma{t.tiles_for(c.is_fp8)}" + (f"cta{t.min_ctas_per_sm}" if t.min_ctas_per_sm else "")
+                    + (".qlds" if self.queries_in_lds else ""))
         if self.dot == "mfma":
             return (f".mfma{t.mfma_tiles}" + (f"wpe{self._waves_per_eu}" if self._waves_per_eu else "")
                     + ("emu" if self.emulate_mfma else ""))
@@ -187,14 +188,22 @@ class IndexTopkGpuSpec(TemplateSpec):
                                TILES=t.tiles_for(c.is_fp8, self.dot), EMULATE=self.emulate_mfma,
                                WAVES_PER_EU=self._waves_per_eu,
                                MIN_CTAS=t.min_ctas_per_sm if self.dot == "mma" else None,
-                               NCS=self.column_sets, MERGE_ROWS=t.merge_rows,
+                               NCS=self.column_sets, QLDS=self.queries_in_lds, MERGE_ROWS=t.merge_rows,
                                MERGE_SPT=t.merge_splits_per_team)
+
+    @property
+    def queries_in_lds(self) -> bool:
+        """A tiled tensor-core workgroup's bf16 queries as mma B fragments in LDS (the tuning row's
+        mma_queries_lds; e4m3fn queries keep them in registers)."""
+        return self.tiled and self.dot == "mma" and not self.fp8_queries and self.tuning_row.mma_queries_lds
 
     @property
     def column_sets(self) -> int:
         """Teams scoring each block of @score: on tensor cores one a set of 32 (token, head) columns
-        (4 groups of the m16n8k16's 8), lane-wise 1."""
-        return -(-self.rows * self.cfg.num_kv_heads // 32) if self.dot == "mma" else 1
+        (4 groups of the m16n8k16's 8), all of them with the queries in LDS; lane-wise 1."""
+        if self.dot != "mma" or self.queries_in_lds:
+            return 1
+        return -(-self.rows * self.cfg.num_kv_heads // 32)
 
     def workspace_floats(self, num_tokens: int, columns: int) -> int:
         """32-bit words of the workspace for num_tokens tokens over `columns` block-table columns:

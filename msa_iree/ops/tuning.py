@@ -170,6 +170,11 @@ class IndexerTuning:
     # a tiled (prefill) workgroup on tensor cores: (token, head) pairs sharing each key fragment
     # (groups of the m16n8k16's 8 columns; decision record in benchmarks/PERF.md)
     tile_row_heads_mma: int = 32
+    # a tiled workgroup on tensor cores with bf16 index queries: the queries' mma B fragments
+    # staged once in LDS and read per k-step (not held in registers), so that one team scores
+    # all of a block's columns from one read of its keys (else a team holds 32 columns' fragments
+    # and two teams read each block's keys)
+    mma_queries_lds: bool = False
     # dot="mfma" (gfx942 matrix cores): tiles of 16 positions a wave has in flight, and a tiled
     # workgroup's (token, head) pairs (groups of the MFMA's 16 columns sharing each key fragment)
     mfma_tiles: int = 2
