@@ -416,6 +416,41 @@ def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows):
     assert "shfl.sync.idx" in score
 
 
+def _queries_in_lds(kv):
+    tuning = dataclasses.replace(INDEXER_TILED, mma_queries_lds=True, mma_tiles_fp8=1)
+    return K.IndexTopkGpuSpec(MsaConfig(kv_dtype=kv), 16, 0, 1, tuning, rows=64, tiled=True, dot="mma")
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+def test_a_tiled_mma_indexer_can_take_its_queries_from_lds(tmp_path, kv):
+    """mma_queries_lds: the tiled workgroup's 64 columns are one team's (8 groups of the m16n8k16's
+    8), their B fragments staged once (one 8-byte LDS store an entry) and read per tile (one 8-byte
+    LDS load a fragment, inside the tile loop: 64 a tile), so a tile takes 64 mma; e4m3fn queries
+    keep theirs in registers (the knob does not apply to them)."""
+    spec = _queries_in_lds(kv)
+    assert spec.queries_in_lds and spec.column_sets == 1 and ".qlds" in spec.name
+    assert dataclasses.replace(spec, tuning=None).column_sets == 2
+    if kv == "fp8_e4m3fn":
+        assert not dataclasses.replace(spec, fp8_queries=True).queries_in_lds
+    _, score = _entry_ptx(tmp_path, spec, "score")
+    assert score.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 64
+    assert score.count("ld.shared.v2.b32") == 64 and score.count("st.shared.b64") == 1
+
+
+@pytest.mark.skipif(PTXAS is None, reason=MISSING)
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
+def test_a_tiled_indexer_with_its_queries_in_lds_scores_without_spills(tmp_path, kv):
+    """... and at two workgroups an SM (128 registers) ptxas keeps all of it in registers for sm_90."""
+    ptx, _ = _entry_ptx(tmp_path, _queries_in_lds(kv), "score")
+    path = tmp_path / "k.ptx"
+    path.write_text(ptx)
+    run = subprocess.run([PTXAS, "-arch=sm_90", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    entries = {e.split("'")[1]: e for e in run.stderr.split("Compiling entry function ")[1:]}
+    assert "0 bytes spill stores, 0 bytes spill loads" in entries["score"], entries["score"]
+
+
 def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
     with pytest.raises(ValueError, match="target: dot='mma' compiles for cuda, got gfx942"):
         GPU_INDEXER_MMA[0].target_flags("gfx942")
