@@ -385,7 +385,7 @@ def test_the_mma_indexer_ptx_scores_on_tensor_cores(tmp_path, spec):
     IREE's rounding emulation (whose NaN constant 0x7FC0 would show); no lane-wise products
     (fma.rn.f32) left in the score."""
     ptx, score = _entry_ptx(tmp_path, spec, "score")
-    tiles = spec.tuning_row.tiles_for(spec.cfg.is_fp8)
+    tiles = spec.tiles
     assert score.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * tiles
     chunks = 2 * (4 if not spec.cfg.is_fp8 else 2)   # a tile's two positions, 16 bytes a chunk
     assert score.count("ld.global.nc.v4") >= chunks * tiles
@@ -416,32 +416,30 @@ def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows):
     assert "shfl.sync.idx" in score
 
 
-def _queries_in_lds(kv):
-    tuning = dataclasses.replace(INDEXER_TILED, mma_queries_lds=True, mma_tiles_fp8=1)
-    return K.IndexTopkGpuSpec(MsaConfig(kv_dtype=kv), 16, 0, 1, tuning, rows=64, tiled=True, dot="mma")
+# the tiled launch CUDA serves for an e4m3fn index cache with bf16 queries
+TILED_FP8 = K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 0, 1, rows=64, tiled=True, dot="mma")
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
-def test_a_tiled_mma_indexer_can_take_its_queries_from_lds(tmp_path, kv):
-    """mma_queries_lds: the tiled workgroup's 64 columns are one team's (8 groups of the m16n8k16's
-    8), their B fragments staged once (one 8-byte LDS store an entry) and read per tile (one 8-byte
-    LDS load a fragment, inside the tile loop: 64 a tile), so a tile takes 64 mma; e4m3fn queries
-    keep theirs in registers (the knob does not apply to them)."""
-    spec = _queries_in_lds(kv)
-    assert spec.queries_in_lds and spec.column_sets == 1 and ".qlds" in spec.name
-    assert dataclasses.replace(spec, tuning=None).column_sets == 2
-    if kv == "fp8_e4m3fn":
-        assert not dataclasses.replace(spec, fp8_queries=True).queries_in_lds
+def test_a_tiled_mma_indexer_over_fp8_keys_takes_its_queries_from_lds(tmp_path):
+    """INDEXER_TILED's mma_queries_lds_fp8: the tiled workgroup's 64 columns are one team's (8 groups
+    of the m16n8k16's 8), their B fragments staged once (one 8-byte LDS store an entry) and read per
+    tile (one 8-byte LDS load a fragment, inside the tile loop: 64 a tile), so a tile takes 64 mma
+    and each block's keys are converted once; bf16 keys and e4m3fn queries keep theirs in registers
+    (two teams a block)."""
+    spec = TILED_FP8
+    assert spec.queries_in_lds and spec.column_sets == 1 and spec.tiles == 1 and ".qlds" in spec.name
+    for other in (dataclasses.replace(spec, fp8_queries=True), dataclasses.replace(spec, cfg=MsaConfig(kv_dtype="bf16"))):
+        assert not other.queries_in_lds and other.column_sets == 2 and ".qlds" not in other.name
     _, score = _entry_ptx(tmp_path, spec, "score")
     assert score.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 64
     assert score.count("ld.shared.v2.b32") == 64 and score.count("st.shared.b64") == 1
+    assert score.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 8  # one tile's two chunks of 16 keys a lane
 
 
 @pytest.mark.skipif(PTXAS is None, reason=MISSING)
-@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3fn"])
-def test_a_tiled_indexer_with_its_queries_in_lds_scores_without_spills(tmp_path, kv):
+def test_a_tiled_indexer_with_its_queries_in_lds_scores_without_spills(tmp_path):
     """... and at two workgroups an SM (128 registers) ptxas keeps all of it in registers for sm_90."""
-    ptx, _ = _entry_ptx(tmp_path, _queries_in_lds(kv), "score")
+    ptx, _ = _entry_ptx(tmp_path, TILED_FP8, "score")
     path = tmp_path / "k.ptx"
     path.write_text(ptx)
     run = subprocess.run([PTXAS, "-arch=sm_90", "-v", str(path), "-o", str(tmp_path / "k.cubin")],

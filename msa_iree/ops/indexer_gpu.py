@@ -158,7 +158,7 @@ class IndexTopkGpuSpec(TemplateSpec):
     def _dot_knob(self) -> str:
         t, c = self.tuning_row, self.cfg
         if self.dot == "mma":
-            return (f".mma{t.tiles_for(c.is_fp8)}" + (f"cta{t.min_ctas_per_sm}" if t.min_ctas_per_sm else "")
+            return (f".mma{self.tiles}" + (f"cta{t.min_ctas_per_sm}" if t.min_ctas_per_sm else "")
                     + (".qlds" if self.queries_in_lds else ""))
         if self.dot == "mfma":
             return (f".mfma{t.mfma_tiles}" + (f"wpe{self._waves_per_eu}" if self._waves_per_eu else "")
@@ -185,7 +185,7 @@ class IndexTopkGpuSpec(TemplateSpec):
                                MAX_SPLITS=t.max_splits, GRID_WG=t.grid_workgroups, GROUP_MAJOR=t.group_major,
                                U=t.loads_for(self.rows, c.num_kv_heads, c.is_fp8), EMIT=self.emit_table,
                                ROWS=self.rows, TILED=self.tiled, QUERY_TILE=QUERY_TILE, DOT=self.dot,
-                               TILES=t.tiles_for(c.is_fp8, self.dot), EMULATE=self.emulate_mfma,
+                               TILES=self.tiles, EMULATE=self.emulate_mfma,
                                WAVES_PER_EU=self._waves_per_eu,
                                MIN_CTAS=t.min_ctas_per_sm if self.dot == "mma" else None,
                                NCS=self.column_sets, QLDS=self.queries_in_lds, MERGE_ROWS=t.merge_rows,
@@ -193,9 +193,15 @@ class IndexTopkGpuSpec(TemplateSpec):
 
     @property
     def queries_in_lds(self) -> bool:
-        """A tiled tensor-core workgroup's bf16 queries as mma B fragments in LDS (the tuning row's
-        mma_queries_lds; e4m3fn queries keep them in registers)."""
-        return self.tiled and self.dot == "mma" and not self.fp8_queries and self.tuning_row.mma_queries_lds
+        """A tiled tensor-core workgroup's bf16 queries over an e4m3fn cache as mma B fragments in
+        LDS (the tuning row's mma_queries_lds_fp8; e4m3fn queries keep them in registers)."""
+        return (self.tiled and self.dot == "mma" and self.cfg.is_fp8 and not self.fp8_queries
+                and self.tuning_row.mma_queries_lds_fp8)
+
+    @property
+    def tiles(self) -> int:
+        """@score's tiles of 16 positions in flight a warp or wave (the tuning row's, by dot)."""
+        return self.tuning_row.tiles_for(self.cfg.is_fp8, self.dot, self.queries_in_lds)
 
     @property
     def column_sets(self) -> int:

@@ -170,11 +170,14 @@ class IndexerTuning:
     # a tiled (prefill) workgroup on tensor cores: (token, head) pairs sharing each key fragment
     # (groups of the m16n8k16's 8 columns; decision record in benchmarks/PERF.md)
     tile_row_heads_mma: int = 32
-    # a tiled workgroup on tensor cores with bf16 index queries: the queries' mma B fragments
-    # staged once in LDS and read per k-step (not held in registers), so that one team scores
-    # all of a block's columns from one read of its keys (else a team holds 32 columns' fragments
-    # and two teams read each block's keys)
-    mma_queries_lds: bool = False
+    # a tiled workgroup on tensor cores over an e4m3fn index cache with bf16 queries: the queries'
+    # mma B fragments staged once in LDS and read per k-step (not held in registers), so that one
+    # team converts and scores each block's keys for all of its columns (else a team holds 32
+    # columns' fragments and two teams convert each block's keys); with mma_tiles_lds tiles of 16
+    # positions in flight a warp. bf16 keys keep their queries in registers (LDS was slower there:
+    # decision record in benchmarks/PERF.md)
+    mma_queries_lds_fp8: bool = False
+    mma_tiles_lds: int = 1
     # dot="mfma" (gfx942 matrix cores): tiles of 16 positions a wave has in flight, and a tiled
     # workgroup's (token, head) pairs (groups of the MFMA's 16 columns sharing each key fragment)
     mfma_tiles: int = 2
@@ -200,9 +203,10 @@ class IndexerTuning:
         if self.grid_workgroups is not None and self.grid_workgroups < 1:
             raise ValueError(f"IndexerTuning.grid_workgroups: expected >= 1 workgroups of @score, got "
                              f"{self.grid_workgroups}")
-        if self.mma_tiles not in (1, 2, 4, 8) or self.mma_tiles_fp8 not in (1, 2, 4, 8):
-            raise ValueError(f"IndexerTuning.mma_tiles, mma_tiles_fp8: expected 1, 2, 4 or 8 (a divisor of a block's "
-                             f"8 tiles of 16 positions), got {self.mma_tiles}, {self.mma_tiles_fp8}")
+        if any(t not in (1, 2, 4, 8) for t in (self.mma_tiles, self.mma_tiles_fp8, self.mma_tiles_lds)):
+            raise ValueError(f"IndexerTuning.mma_tiles, mma_tiles_fp8, mma_tiles_lds: expected 1, 2, 4 or 8 (a divisor "
+                             f"of a block's 8 tiles of 16 positions), got {self.mma_tiles}, {self.mma_tiles_fp8}, "
+                             f"{self.mma_tiles_lds}")
         if self.tile_row_heads_mma not in (8, 16, 32, 64):
             raise ValueError(f"IndexerTuning.tile_row_heads_mma: expected 8, 16, 32 or 64 (groups of an m16n8k16's "
                              f"8 columns, at most 4 a team, at most 2 teams a block), got {self.tile_row_heads_mma}")
@@ -227,8 +231,10 @@ class IndexerTuning:
         # an fp8 load decodes into twice the registers of a bf16 one
         return max(2 if fp8 else 4, self.key_loads // (2 if fp8 else 1) // (rows * heads))
 
-    def tiles_for(self, fp8: bool, dot: str = "mma") -> int:
-        return self.mfma_tiles if dot == "mfma" else self.mma_tiles_fp8 if fp8 else self.mma_tiles
+    def tiles_for(self, fp8: bool, dot: str = "mma", queries_in_lds: bool = False) -> int:
+        if dot == "mfma":
+            return self.mfma_tiles
+        return self.mma_tiles_lds if queries_in_lds else self.mma_tiles_fp8 if fp8 else self.mma_tiles
 
     def rows_for(self, decode_query_len: int, num_index_heads: int) -> int:
         """Tokens of a request scored together in a decode step of L = decode_query_len tokens a
@@ -263,7 +269,7 @@ class IndexerTuning:
 
 
 INDEXER = IndexerTuning(group_major=True)
-# a tiled (prefill) launch's row: splits of 16 blocks (a workgroup's entry loads, a chain of
+# a tiled (prefill) launch's row: e4m3fn keys' bf16 queries in LDS; splits of 16 blocks (a workgroup's entry loads, a chain of
 # dependent ones, shared by twice the blocks; @merge's teams read half the splits) and, on tensor
 # cores, 64 (token, head) columns, two teams on each block's keys; two workgroups an SM as the
 # decode row has it (ptxas then fits the score in 128 registers, a few spilled); @merge's teams
@@ -271,7 +277,7 @@ INDEXER = IndexerTuning(group_major=True)
 # thousands of rows, each of them a short selection; a decode step's few rows keep a workgroup
 # a row and 8 splits a team: decision record in benchmarks/PERF.md)
 INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_heads_mma=64, merge_rows=8,
-                                    merge_splits_per_team=16, group_major=False)
+                                    merge_splits_per_team=16, group_major=False, mma_queries_lds_fp8=True)
 # an untiled (decode) launch on tensor cores: splits of 16 blocks, faster there than 8 at short
 # contexts and the same from 32K, where the lane-wise decode is slower at 16 and keeps 8; and a
 # grid of about 1,024 workgroups once the step's groups fill it, each group's workgroups taking its
