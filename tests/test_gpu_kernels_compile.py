@@ -397,6 +397,16 @@ def test_the_mma_indexer_ptx_scores_on_tensor_cores(tmp_path, spec):
         assert ".target sm_80" in ptx and "cvt.rn.f16x2.e4m3x2" not in score
 
 
+def _ptxas_report(tmp_path, ptx) -> dict:
+    """{entry: ptxas's -v report of it} for the module's PTX assembled for sm_90 (which must succeed)."""
+    path = tmp_path / "k.ptx"
+    path.write_text(ptx)
+    run = subprocess.run([PTXAS, "-arch=sm_90", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return {e.split("'")[1]: e for e in run.stderr.split("Compiling entry function ")[1:]}
+
+
 @pytest.mark.skipif(PTXAS is None, reason=MISSING)
 @pytest.mark.parametrize("kv, rows", [("bf16", 1), ("bf16", 4), ("fp8_e4m3fn", 1)])
 def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows):
@@ -406,13 +416,8 @@ def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows):
     registers (1.26-1.33x slower on the H200, benchmarks/PERF.md)."""
     spec = K.IndexTopkGpuSpec(MsaConfig(kv_dtype=kv), 16, 0, 1, rows=rows, dot="mma")
     ptx, score = _entry_ptx(tmp_path, spec, "score")
-    path = tmp_path / "k.ptx"
-    path.write_text(ptx)
-    run = subprocess.run([PTXAS, "-arch=sm_90", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    entries = {e.split("'")[1]: e for e in run.stderr.split("Compiling entry function ")[1:]}
-    assert "0 bytes spill stores, 0 bytes spill loads" in entries["score"], entries["score"]
+    report = _ptxas_report(tmp_path, ptx)["score"]
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert "shfl.sync.idx" in score
 
 
@@ -440,13 +445,8 @@ def test_a_tiled_mma_indexer_over_fp8_keys_takes_its_queries_from_lds(tmp_path):
 def test_a_tiled_indexer_with_its_queries_in_lds_scores_without_spills(tmp_path):
     """... and at two workgroups an SM (128 registers) ptxas keeps all of it in registers for sm_90."""
     ptx, _ = _entry_ptx(tmp_path, TILED_FP8, "score")
-    path = tmp_path / "k.ptx"
-    path.write_text(ptx)
-    run = subprocess.run([PTXAS, "-arch=sm_90", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    entries = {e.split("'")[1]: e for e in run.stderr.split("Compiling entry function ")[1:]}
-    assert "0 bytes spill stores, 0 bytes spill loads" in entries["score"], entries["score"]
+    report = _ptxas_report(tmp_path, ptx)["score"]
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
 def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():
