@@ -269,10 +269,11 @@ class IndexerTuning:
 
 
 INDEXER = IndexerTuning(group_major=True)
-# a tiled (prefill) launch's row: e4m3fn keys' bf16 queries in LDS; splits of 16 blocks (a workgroup's entry loads, a chain of
+# a tiled (prefill) launch's row: splits of 16 blocks (a workgroup's entry loads, a chain of
 # dependent ones, shared by twice the blocks; @merge's teams read half the splits) and, on tensor
-# cores, 64 (token, head) columns, two teams on each block's keys; two workgroups an SM as the
-# decode row has it (ptxas then fits the score in 128 registers, a few spilled); @merge's teams
+# cores, 64 (token, head) columns, two teams on each block's bf16 keys, one on e4m3fn keys with
+# bf16 queries, which it takes from LDS; two workgroups an SM as the decode row has it (ptxas
+# then fits the score in 128 registers, the bf16 one with a few spilled); @merge's teams
 # shared by up to 8 rows, as many as the splits leave, 16 splits a team (a prefill chunk has
 # thousands of rows, each of them a short selection; a decode step's few rows keep a workgroup
 # a row and 8 splits a team: decision record in benchmarks/PERF.md)
