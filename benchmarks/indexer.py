@@ -9,6 +9,12 @@ tokens long with L new tokens (positions ctx - L .. ctx - 1), random index keys,
 own blocks; `--columns N` gives every block table N columns, zeros past a request's blocks, as
 vLLM's are (as wide as its longest context: 8,192 for 1M tokens).
 
+Index queries (`--queries`): "vllm" (the default) gives both sides the queries in the index
+cache's dtype, as vLLM's model writes them (its fused projection emits e4m3fn index queries for an
+e4m3fn cache): Triton then takes the fp8 dot on e4m3fn x e4m3fn, and msa-iree runs the kernels its
+vLLM plugin serves (`fp8_queries`). "bf16" gives both bf16 queries whatever the cache (Triton then
+converts an e4m3fn cache's keys to bf16): the protocol of runs before the option existed.
+
 Per case and dot (`--dot`: "mma" tensor cores, "fma" lane-wise products; the one runtime.Indexer
 serves on CUDA, ops.indexer_dot, in bold): cold and warm us (anchor.cold_us / warm_us) of both,
 their ratio (Triton / msa-iree), GB/s over the index-key bytes each request must read (c x ctx x 128 x the cache's element size)
@@ -95,11 +101,53 @@ def reference_rows(q, cache, table, req, pos, request=0, every=1):
     return rows, R.index_topk(q[rows].cpu(), blocks, local, torch.zeros(len(rows), dtype=torch.int32), pos[rows].cpu())
 
 
-def run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy_GBps, gen, dots, columns=None):
+QUERIES = ("vllm", "bf16")
+QDTYPE = {False: "bf16", True: "fp8_e4m3fn"}  # a row's queries, by whether they are e4m3fn
+
+
+def index_queries(q, cache_dtype, queries):
+    """The index queries both sides take: bf16 `q` as it is, or (queries "vllm") in the index
+    cache's dtype where that is e4m3fn, as vLLM's model writes them for an fp8 index cache."""
+    if queries not in QUERIES:
+        raise ValueError(f"--queries: expected one of {QUERIES}, got {queries!r}")
+    return q.to(torch.float8_e4m3fn) if queries == "vllm" and cache_dtype == "fp8_e4m3fn" else q
+
+
+def msa_queries(q):
+    """(the queries as msa-iree's kernel takes them: e4m3fn as bytes, whether they are e4m3fn)."""
+    fp8 = q.dtype == torch.float8_e4m3fn
+    return (q.view(torch.uint8) if fp8 else q), fp8
+
+
+def decode_spec(cache_dtype, L, dot, fp8_queries):
+    """The decode kernel runtime.Indexer launches for `dot`: a step's L tokens of a request together."""
+    return IndexTopkGpuSpec(indexer_config(1, cache_dtype, "bf16"), rows=INDEXER.rows_for(L, 1), dot=dot,
+                            fp8_queries=fp8_queries)
+
+
+def prefill_specs(cache_dtype, dots, fp8_queries):
+    """The tiled kernel of each of `dots` and the one-token-a-workgroup kernel served before tiles."""
+    cfg = indexer_config(1, cache_dtype, "bf16")
+    specs = [IndexTopkGpuSpec(cfg, rows=INDEXER_TILED.tile_rows(1, dot), tiled=True, dot=dot, fp8_queries=fp8_queries)
+             for dot in dots]
+    return specs + [IndexTopkGpuSpec(cfg, dot=indexer_dot(cfg, "cuda", 1, fp8_queries), fp8_queries=fp8_queries)]
+
+
+def bench_specs(dots=("mma", "fma")):
+    """Every kernel a run of the default grid may call (tools/build_gpu_tests.py builds them)."""
+    specs = []
+    for cache, fp8q in (("bf16", False), ("fp8_e4m3fn", False), ("fp8_e4m3fn", True)):
+        specs += [decode_spec(cache, L, dot, fp8q) for L in sorted({L for _, _, L in CASES}) for dot in dots]
+        specs += prefill_specs(cache, dots, fp8q)
+    return specs + [dataclasses.replace(s, emit_table=True) for s in specs]
+
+
+def run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy_GBps, gen, dots, columns=None, queries="vllm"):
     """One row per dot of `dots` (IndexTopkGpuSpec.dot), on the same inputs, Triton's columns
     measured once and repeated in each."""
     device = torch.device("cuda")
-    inputs = decode_case(c, ctx, L, cache_dtype, device, gen, columns)
+    q, *rest = decode_case(c, ctx, L, cache_dtype, device, gen, columns)
+    inputs = (index_queries(q, cache_dtype, queries), *rest)
     rows = [measure_msa(lib, inputs, c, ctx, L, cache_dtype, flush, dot) for dot in dots]
     if triton_mod is not None:
         q, cache, table, seq, req, pos = inputs
@@ -138,26 +186,26 @@ def add_bandwidth_columns(rows, key_bytes, copy_GBps):
 def measure_msa(lib, inputs, c, ctx, L, cache_dtype, flush, dot):
     device = torch.device("cuda")
     q, cache, table, seq, req, pos = inputs
-    # a decode step's L tokens of a request scored together, as runtime.Indexer serves them
-    spec = IndexTopkGpuSpec(indexer_config(1, cache_dtype, "bf16"), rows=INDEXER.rows_for(L, 1), dot=dot)
+    mq, fp8q = msa_queries(q)
+    spec = decode_spec(cache_dtype, L, dot, fp8q)
     raw = (cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache).view(cache.shape[0], -1)
     out = torch.empty(1, c * L, 16, dtype=torch.int32, device=device)
     ws = torch.empty(spec.workspace_floats(c * L, table.shape[1]), device=device)
 
-    emit = IndexTopkGpuSpec(spec.cfg, emit_table=True, rows=spec.rows, dot=dot)
+    emit = dataclasses.replace(spec, emit_table=True)
     sbt = torch.empty(c * L, 1, 128, dtype=torch.int32, device=device)
     sctx = torch.empty(c * L, 1, dtype=torch.int32, device=device)
 
     def msa():
-        lib.run(spec, q, raw, table, req, pos, out=[out, ws])
+        lib.run(spec, mq, raw, table, req, pos, out=[out, ws])
 
     def msa_emit():  # the attend's table too (through the index table: the bytes are what count)
-        lib.run(emit, q, raw, table, req, pos, table, out=[out, sbt, sctx, ws])
+        lib.run(emit, mq, raw, table, req, pos, table, out=[out, sbt, sctx, ws])
 
     msa()
     rows, want = reference_rows(q, cache, table, req, pos)
-    row = {"c": c, "ctx": ctx, "L": L, "columns": table.shape[1], "cache": cache_dtype, "dot": dot, "kernel": spec.name,
-           "served": dot == indexer_dot(spec.cfg, "cuda", spec.rows),
+    row = {"c": c, "ctx": ctx, "L": L, "columns": table.shape[1], "cache": cache_dtype, "queries": QDTYPE[fp8q],
+           "dot": dot, "kernel": spec.name, "served": dot == indexer_dot(spec.cfg, "cuda", spec.rows, fp8q),
            "ref": bool(torch.equal(out[:, rows].cpu(), want)), "_out": out.clone()}
     row["msa_cold_us"], row["msa_warm_us"] = anchor.cold_us(msa, flush), anchor.warm_us(msa)
     row["emit_warm_us"] = anchor.warm_us(msa_emit)
@@ -165,15 +213,16 @@ def measure_msa(lib, inputs, c, ctx, L, cache_dtype, flush, dot):
     return row
 
 
-def run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy_GBps, gen, dots, columns=None):
+def run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy_GBps, gen, dots, columns=None,
+                     queries="vllm"):
     """Rows for msa-iree's tiled kernel (each of `dots`) and its one-token-a-workgroup kernel on one
     chunk, Triton's prefill indexer on the same inputs measured once and repeated in each."""
     device = torch.device("cuda")
     q, cache, table, req, pos, tiles = prefill_case(nq, ctx, cache_dtype, device, gen, columns)
-    cfg = indexer_config(1, cache_dtype, "bf16")
-    served = indexer_set(cfg, "cuda").gpu_tiled()
-    specs = [IndexTopkGpuSpec(cfg, rows=INDEXER_TILED.tile_rows(1, dot), tiled=True, dot=dot) for dot in dots]
-    specs.append(IndexTopkGpuSpec(cfg, dot=indexer_dot(cfg, "cuda", 1)))
+    q = index_queries(q, cache_dtype, queries)
+    mq, fp8q = msa_queries(q)
+    served = indexer_set(indexer_config(1, cache_dtype, "bf16"), "cuda", fp8_queries=fp8q).gpu_tiled()
+    specs = prefill_specs(cache_dtype, dots, fp8q)
     raw = (cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache).view(cache.shape[0], -1)
     sample, want = reference_rows(q, cache, table, req, pos, every=97)
     rows = []
@@ -183,7 +232,7 @@ def run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy_GBps, ge
         emit = dataclasses.replace(spec, emit_table=True)
         sbt = torch.empty(nq, 1, 128, dtype=torch.int32, device=device)
         sctx = torch.empty(nq, 1, dtype=torch.int32, device=device)
-        ins = (q, raw, table, req, pos) + ((tiles,) if spec.tiled else ())
+        ins = (mq, raw, table, req, pos) + ((tiles,) if spec.tiled else ())
 
         def msa():
             lib.run(spec, *ins, out=[out, ws])
@@ -192,7 +241,8 @@ def run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy_GBps, ge
             lib.run(emit, *ins, table, out=[out, sbt, sctx, ws])
 
         msa()
-        row = {"c": 1, "q": nq, "ctx": ctx, "columns": table.shape[1], "cache": cache_dtype, "dot": spec.dot, "rows": spec.rows,
+        row = {"c": 1, "q": nq, "ctx": ctx, "columns": table.shape[1], "cache": cache_dtype, "queries": QDTYPE[fp8q],
+               "dot": spec.dot, "rows": spec.rows,
                "tiled": spec.tiled, "kernel": spec.name, "served": spec.name == served.name,
                "ref": bool(torch.equal(out[:, sample].cpu(), want)), "_out": out.clone()}
         row["msa_cold_us"], row["msa_warm_us"] = anchor.cold_us(msa, flush), anchor.warm_us(msa)
@@ -222,26 +272,27 @@ def against_triton(r, kind) -> str:
 
 
 def prefill_table(rows) -> str:
-    head = ("| cache | kernel | q | ctx | cold us Triton / msa (x) | warm us Triton / msa (x) | +table | same | ref |")
+    head = ("| cache | queries | kernel | q | ctx | cold us Triton / msa (x) | warm us Triton / msa (x) | +table | same "
+            "| ref |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cold, warm = against_triton(r, "cold"), against_triton(r, "warm")
         kernel = f"{r['dot']}, " + (f"tiles of {r['rows']} a workgroup" if r["tiled"] else "one token a workgroup")
         kernel = f"**{kernel}**" if r["served"] else kernel
-        lines.append(f"| {r['cache']} | {kernel} | {r['q']} | {r['ctx'] // 1024}K | {cold} | {warm} | "
+        lines.append(f"| {r['cache']} | {r['queries']} | {kernel} | {r['q']} | {r['ctx'] // 1024}K | {cold} | {warm} | "
                      f"{r['emit_over_topk']:.3f} | {r.get('same', '-')} | {r['ref']} |")
     return "\n".join(lines)
 
 
 def table(rows) -> str:
-    head = ("| cache | dot | c | ctx | L | cold us Triton / msa (x) | warm us Triton / msa (x) | GB/s msa (% copy) "
+    head = ("| cache | queries | dot | c | ctx | L | cold us Triton / msa (x) | warm us Triton / msa (x) | GB/s msa (% copy) "
             "| Triton (% copy) | +table | same | ref |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cold, warm = against_triton(r, "cold"), against_triton(r, "warm")
         tri = f"{r['triton_GBps']:.0f} ({r['triton_pct_copy']:.0f}%)" if "triton_GBps" in r else "-"
         dot = f"**{r['dot']}**" if r["served"] else r["dot"]
-        lines.append(f"| {r['cache']} | {dot} | {r['c']} | {r['ctx'] // 1024}K | {r['L']} | {cold} | {warm} | "
+        lines.append(f"| {r['cache']} | {r['queries']} | {dot} | {r['c']} | {r['ctx'] // 1024}K | {r['L']} | {cold} | {warm} | "
                      f"{r['msa_GBps']:.0f} ({r['msa_pct_copy']:.0f}%) | {tri} | {r['emit_over_topk']:.3f} | "
                      f"{r.get('same', '-')} | {r['ref']} |")
     return "\n".join(lines)
@@ -257,6 +308,8 @@ def main(argv=None):
     p.add_argument("--dot", default="mma,fma", help="IndexTopkGpuSpec.dot values, each its own row")
     p.add_argument("--columns", type=int, default=None,
                    help="block-table columns of every case (vLLM's: max_model_len / 128; default: ctx / 128)")
+    p.add_argument("--queries", default="vllm", choices=QUERIES,
+                   help="vllm: the index cache's dtype, as vLLM's model writes them; bf16: bf16 for every cache")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -274,12 +327,13 @@ def main(argv=None):
     rows, prefill_rows = [], []
     for cache_dtype in a.cache.split(","):
         for c, ctx, L in cases:
-            rows += run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy, gen, a.dot.split(","), a.columns)
+            rows += run_case(lib, triton_mod, c, ctx, L, cache_dtype, flush, copy, gen, a.dot.split(","), a.columns,
+                             a.queries)
             print(rows[-1], flush=True)
             torch.cuda.empty_cache()
         for nq, ctx in prefill:
             prefill_rows += run_prefill_case(lib, triton_mod, nq, ctx, cache_dtype, flush, copy, gen, a.dot.split(","),
-                                             a.columns)
+                                             a.columns, a.queries)
             print(prefill_rows[-1], flush=True)
             torch.cuda.empty_cache()
     print(f"device copy: {copy:.0f} GB/s (read + written); block tables: "

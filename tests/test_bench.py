@@ -127,3 +127,32 @@ def test_the_wake_probe_times_each_work_after_each_wait(capsys):
     assert all(set(r["us_after_ms"]) == ({0.0, 1.0} if r["wait"] == "sleep" else {1.0}) for r in rows)
     assert all(v > 0 for r in rows for v in r["us_after_ms"].values())
     assert "build mixed" in capsys.readouterr().out
+
+
+def test_the_indexer_benchmark_gives_both_sides_the_queries_vllm_writes():
+    """--queries vllm (the default): an e4m3fn index cache's queries in e4m3fn for Triton and
+    msa-iree alike, as vLLM's model writes them, and msa-iree's kernels there the ones its vLLM
+    plugin serves (fp8_queries); bf16 caches, and --queries bf16, keep bf16 queries."""
+    from benchmarks import indexer
+    from msa_iree.ops import indexer_set
+    from msa_iree.ops.indexer import indexer_config
+
+    q = torch.randn(5, 1, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    q8 = indexer.index_queries(q, "fp8_e4m3fn", "vllm")
+    assert q8.dtype == torch.float8_e4m3fn and torch.equal(q8, q.to(torch.float8_e4m3fn))
+    assert indexer.index_queries(q, "bf16", "vllm") is q and indexer.index_queries(q, "fp8_e4m3fn", "bf16") is q
+    with pytest.raises(ValueError, match="--queries: expected one of \\('vllm', 'bf16'\\), got 'fp8'"):
+        indexer.index_queries(q, "fp8_e4m3fn", "fp8")
+    raw, fp8 = indexer.msa_queries(q8)
+    assert fp8 and raw.dtype == torch.uint8 and torch.equal(raw, q8.view(torch.uint8))
+    assert indexer.msa_queries(q) == (q, False)
+
+    served = indexer_set(indexer_config(1, "fp8_e4m3fn", "bf16"), "cuda", fp8_queries=True)
+    for L in (1, 4):  # the decode kernel of the served dot is the plugin's, for each of the grid's L
+        (spec,) = [s for (rows, emit), s in served.topk_gpu.items() if not emit and rows == indexer.INDEXER.rows_for(L, 1)]
+        assert indexer.decode_spec("fp8_e4m3fn", L, spec.dot, True) == spec and spec.fp8_queries
+    assert indexer.prefill_specs("fp8_e4m3fn", ("mma", "fma"), True)[0] == served.gpu_tiled()
+    names = {s.name for s in indexer.bench_specs()}
+    grid_rows = {indexer.INDEXER.rows_for(L, 1) for _, _, L in indexer.CASES}
+    assert served.gpu_tiled().name in names
+    assert all(s.name in names for (rows, _), s in served.topk_gpu.items() if rows in grid_rows)

@@ -14,6 +14,7 @@ import sys
 sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent / d) for d in ("", "tests")]
 
 from benchmarks.bench import bench_specs  # noqa: E402
+from benchmarks.indexer import bench_specs as indexer_bench_specs  # noqa: E402
 from gpu_cases import gpu_test_specs  # noqa: E402
 from msa_iree.compile import build  # noqa: E402
 
@@ -24,7 +25,7 @@ def main():
     p.add_argument("--target", default="cuda")
     p.add_argument("--no-bench", action="store_true", help="only the test kernels")
     a = p.parse_args()
-    specs = gpu_test_specs() + ([] if a.no_bench else bench_specs())
+    specs = gpu_test_specs() + ([] if a.no_bench else bench_specs() + indexer_bench_specs())
     build(None, [a.target], a.out, specs=list({s.name: s for s in specs}.values()))
 
 
