@@ -57,7 +57,8 @@ class IndexTopkGpuSpec(TemplateSpec):
     # @score's dot products: "fma" (lane-wise products, shuffle sums over a position's lanes; CUDA
     # and gfx942) or "mma" (CUDA tensor cores: a warp's 16 positions x 128 dims against the rows'
     # and heads' queries as one m16n8k16 bf16 chain, fp8 keys converted exactly to bf16 first, as
-    # vLLM's Triton indexer does; sm_89+ for fp8, whose e4m3 -> f16 conversion is the hardware's)
+    # vLLM's Triton indexer does for bf16 queries (for e4m3fn ones it takes an fp8 dot); sm_89+
+    # for fp8, whose e4m3 -> f16 conversion is the hardware's)
     # or "mfma" (gfx942 matrix cores, MFMA_OPERANDS: a wave's 16 positions x 128 dims against up
     # to 4 groups of 16 (row, head) columns as v_mfma_f32_16x16x16_bf16 / _16x16x32_fp8_fp8 chains)
     dot: str = "fma"
