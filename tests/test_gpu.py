@@ -1535,6 +1535,25 @@ def test_the_gpu_indexer_ranks_the_hand_made_request(cuda_kernels, dot):
     assert got[0, 0].tolist() == [4, 1, 2, 0, 3] + [-1] * 11
 
 
+def test_the_e4m3_dot_ranks_the_hand_made_request(cuda_kernels):
+    """The hand-made request in e4m3fn, queries and keys, on the tensor cores' e4m3 dot: block 0
+    scores 1, blocks 1 and 2 tie at 3, block 3 holds a NaN, block 4 scores -5, the own block (4)
+    forced local: [4, 1, 2, 0, 3, -1, ...]."""
+    fn = torch.float8_e4m3fn
+    q = torch.zeros(1, 1, 128).to(fn)
+    q[0, 0, 0] = 1
+    keys = torch.zeros(5, 128, 128)
+    for b, v in enumerate([1.0, 3.0, 3.0, float("nan"), -5.0]):
+        keys[b, :, 0] = v
+    keys = keys.to(fn)
+    table, req, pos = torch.arange(5, dtype=torch.int32)[None], torch.zeros(1, dtype=torch.int32), \
+        torch.tensor([4 * 128 + 10], dtype=torch.int32)
+    spec = gpu_cases.gpu_indexer_spec(indexer_config(1, "fp8_e4m3fn", "bf16"), dot="mma-e4m3", fp8_queries=True)
+    assert spec.e4m3_dot
+    got = _gpu_topk(cuda_kernels, spec, q.view(torch.uint8), keys, table, req, pos)
+    assert got[0, 0].tolist() == [4, 1, 2, 0, 3] + [-1] * 11
+
+
 def test_the_mfma_twin_reads_e4m3fn_as_e4m3fn(cuda_kernels):
     """gfx942's fp8 MFMA reads e4m3fnuz: the kernel remaps e4m3fn's -0 (fnuz's NaN) and NaNs (fnuz's
     +-240) first, and the twin scores the bytes as fnuz would. Block 0 scores 1; block 1 3 with -0

@@ -160,7 +160,7 @@ class IndexTopkGpuSpec(TemplateSpec):
         t, c = self.tuning_row, self.cfg
         if self.dot == "mma":
             return (f".mma{self.tiles}" + (f"cta{t.min_ctas_per_sm}" if t.min_ctas_per_sm else "")
-                    + (".qlds" if self.queries_in_lds else ""))
+                    + (".qlds" if self.queries_in_lds else "") + (".e4m3" if self.e4m3_dot else ""))
         if self.dot == "mfma":
             return (f".mfma{t.mfma_tiles}" + (f"wpe{self._waves_per_eu}" if self._waves_per_eu else "")
                     + ("emu" if self.emulate_mfma else ""))
@@ -189,7 +189,8 @@ class IndexTopkGpuSpec(TemplateSpec):
                                TILES=self.tiles, EMULATE=self.emulate_mfma,
                                WAVES_PER_EU=self._waves_per_eu,
                                MIN_CTAS=t.min_ctas_per_sm if self.dot == "mma" else None,
-                               NCS=self.column_sets, QLDS=self.queries_in_lds, MERGE_ROWS=t.merge_rows,
+                               NCS=self.column_sets, QLDS=self.queries_in_lds, E4M3DOT=self.e4m3_dot,
+                               MERGE_ROWS=t.merge_rows,
                                MERGE_SPT=t.merge_splits_per_team)
 
     @property
@@ -198,6 +199,12 @@ class IndexTopkGpuSpec(TemplateSpec):
         LDS (the tuning row's mma_queries_lds_fp8; e4m3fn queries keep them in registers)."""
         return (self.tiled and self.dot == "mma" and self.cfg.is_fp8 and not self.fp8_queries
                 and self.tuning_row.mma_queries_lds_fp8)
+
+    @property
+    def e4m3_dot(self) -> bool:
+        """e4m3fn queries against e4m3fn keys on the tensor cores' e4m3 dot, nothing converted (the
+        tuning row's mma_e4m3_dot): the dot vLLM's Triton indexer takes for these operands."""
+        return self.dot == "mma" and self.fp8_queries and self.tuning_row.mma_e4m3_dot
 
     @property
     def tiles(self) -> int:

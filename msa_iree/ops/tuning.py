@@ -178,6 +178,10 @@ class IndexerTuning:
     # decision record in benchmarks/PERF.md)
     mma_queries_lds_fp8: bool = False
     mma_tiles_lds: int = 1
+    # dot="mma" with e4m3fn queries over an e4m3fn cache: the tensor cores' e4m3 x e4m3 dot
+    # (m16n8k32 into f32), neither side converted, in place of both converted exactly to bf16 for
+    # the bf16 dot (m16n8k16)
+    mma_e4m3_dot: bool = False
     # dot="mfma" (gfx942 matrix cores): tiles of 16 positions a wave has in flight, and a tiled
     # workgroup's (token, head) pairs (groups of the MFMA's 16 columns sharing each key fragment)
     mfma_tiles: int = 2
