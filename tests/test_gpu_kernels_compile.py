@@ -421,30 +421,33 @@ def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows):
     assert "shfl.sync.idx" in score
 
 
-# the tiled launch CUDA serves for an e4m3fn index cache with bf16 queries
+# the tiled launches CUDA serves for an e4m3fn index cache: bf16 queries, e4m3fn queries (vLLM's)
 TILED_FP8 = K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 0, 1, rows=64, tiled=True, dot="mma")
+TILED_FP8_QUERIES = dataclasses.replace(TILED_FP8, fp8_queries=True)
 
 
-def test_a_tiled_mma_indexer_over_fp8_keys_takes_its_queries_from_lds(tmp_path):
+@pytest.mark.parametrize("spec", [TILED_FP8, TILED_FP8_QUERIES], ids=["bf16_queries", "fp8_queries"])
+def test_a_tiled_mma_indexer_over_fp8_keys_takes_its_queries_from_lds(tmp_path, spec):
     """INDEXER_TILED's mma_queries_lds_fp8: the tiled workgroup's 64 columns are one team's (8 groups
-    of the m16n8k16's 8), their B fragments staged once (one 8-byte LDS store an entry) and read per
-    tile (one 8-byte LDS load a fragment, inside the tile loop: 64 a tile), so a tile takes 64 mma
-    and each block's keys are converted once; bf16 keys and e4m3fn queries keep theirs in registers
-    (two teams a block)."""
-    spec = TILED_FP8
+    of the m16n8k16's 8), their B fragments staged once (one 8-byte LDS store an entry; e4m3fn
+    queries converted to bf16 there, 4 bytes in two conversions) and read per tile (one 8-byte LDS
+    load a fragment, inside the tile loop: 64 a tile), so a tile takes 64 mma and each block's keys
+    are converted once; bf16 keys keep their queries in registers (two teams a block)."""
     assert spec.queries_in_lds and spec.column_sets == 1 and spec.tiles == 1 and ".qlds" in spec.name
-    for other in (dataclasses.replace(spec, fp8_queries=True), dataclasses.replace(spec, cfg=MsaConfig(kv_dtype="bf16"))):
-        assert not other.queries_in_lds and other.column_sets == 2 and ".qlds" not in other.name
+    bf16 = dataclasses.replace(spec, cfg=MsaConfig(kv_dtype="bf16"), fp8_queries=False)
+    assert not bf16.queries_in_lds and bf16.column_sets == 2 and ".qlds" not in bf16.name
     _, score = _entry_ptx(tmp_path, spec, "score")
     assert score.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 64
     assert score.count("ld.shared.v2.b32") == 64 and score.count("st.shared.b64") == 1
-    assert score.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 8  # one tile's two chunks of 16 keys a lane
+    # one tile's two chunks of 16 keys a lane, and (e4m3fn queries) the staging loop's 4 bytes
+    assert score.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 8 + (2 if spec.fp8_queries else 0)
 
 
 @pytest.mark.skipif(PTXAS is None, reason=MISSING)
-def test_a_tiled_indexer_with_its_queries_in_lds_scores_without_spills(tmp_path):
+@pytest.mark.parametrize("spec", [TILED_FP8, TILED_FP8_QUERIES], ids=["bf16_queries", "fp8_queries"])
+def test_a_tiled_indexer_with_its_queries_in_lds_scores_without_spills(tmp_path, spec):
     """... and at two workgroups an SM (128 registers) ptxas keeps all of it in registers for sm_90."""
-    ptx, _ = _entry_ptx(tmp_path, TILED_FP8, "score")
+    ptx, _ = _entry_ptx(tmp_path, spec, "score")
     report = _ptxas_report(tmp_path, ptx)["score"]
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
 

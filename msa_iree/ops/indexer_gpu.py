@@ -195,10 +195,10 @@ class IndexTopkGpuSpec(TemplateSpec):
 
     @property
     def queries_in_lds(self) -> bool:
-        """A tiled tensor-core workgroup's bf16 queries over an e4m3fn cache as mma B fragments in
-        LDS (the tuning row's mma_queries_lds_fp8; e4m3fn queries keep them in registers)."""
-        return (self.tiled and self.dot == "mma" and self.cfg.is_fp8 and not self.fp8_queries
-                and self.tuning_row.mma_queries_lds_fp8)
+        """A tiled tensor-core workgroup's queries over an e4m3fn cache (bf16, or e4m3fn converted
+        exactly to bf16 as they are staged) as mma B fragments in LDS (the tuning row's
+        mma_queries_lds_fp8)."""
+        return self.tiled and self.dot == "mma" and self.cfg.is_fp8 and self.tuning_row.mma_queries_lds_fp8
 
     @property
     def e4m3_dot(self) -> bool:

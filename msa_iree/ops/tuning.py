@@ -170,12 +170,13 @@ class IndexerTuning:
     # a tiled (prefill) workgroup on tensor cores: (token, head) pairs sharing each key fragment
     # (groups of the m16n8k16's 8 columns; decision record in benchmarks/PERF.md)
     tile_row_heads_mma: int = 32
-    # a tiled workgroup on tensor cores over an e4m3fn index cache with bf16 queries: the queries'
-    # mma B fragments staged once in LDS and read per k-step (not held in registers), so that one
-    # team converts and scores each block's keys for all of its columns (else a team holds 32
-    # columns' fragments and two teams convert each block's keys); with mma_tiles_lds tiles of 16
-    # positions in flight a warp. bf16 keys keep their queries in registers (LDS was slower there:
-    # decision record in benchmarks/PERF.md)
+    # a tiled workgroup on tensor cores over an e4m3fn index cache: the queries' mma B fragments
+    # (bf16 queries, or e4m3fn ones converted exactly to bf16 as they are staged) staged once in LDS
+    # and read per k-step (not held in registers), so that one team converts and scores each
+    # block's keys for all of its columns (else a team holds 32 columns' fragments and two teams
+    # convert each block's keys); with mma_tiles_lds tiles of 16 positions in flight a warp. bf16
+    # keys keep their queries in registers (LDS was slower there: decision record in
+    # benchmarks/PERF.md)
     mma_queries_lds_fp8: bool = False
     mma_tiles_lds: int = 1
     # dot="mma" with e4m3fn queries over an e4m3fn cache: the tensor cores' e4m3 x e4m3 dot
