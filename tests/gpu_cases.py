@@ -49,23 +49,26 @@ def with_dots(cases, kv_at):
 
 def gpu_indexer_spec(cfg, *args, dot="fma", **kwargs):
     """The IndexTopkGpuSpec a GPU test runs on CUDA for `dot`: "mfma" is gfx942's kernel's emulated
-    twin, "mma-e4m3" the tensor cores' e4m3 dot (e4m3fn queries and keys, the tuning row's
-    mma_e4m3_dot)."""
+    twin; "mma-e4m3" / "mma-bf16dot" the tensor cores with e4m3fn queries and keys on their e4m3
+    dot / converted to bf16 for their bf16 dot (the tuning row's mma_e4m3_dot on / off, "mma"
+    taking the row's own)."""
     from msa_iree.ops import IndexTopkGpuSpec
-    if dot == "mma-e4m3":
+    if dot in ("mma-e4m3", "mma-bf16dot"):
         spec = IndexTopkGpuSpec(cfg, *args, dot="mma", **kwargs)
-        return dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning_row, mma_e4m3_dot=True))
+        return dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning_row, mma_e4m3_dot=dot == "mma-e4m3"))
     return IndexTopkGpuSpec(cfg, *args, dot=dot, emulate_mfma=dot == "mfma", **kwargs)
-# e4m3fn index queries against an e4m3fn cache (fp8_queries): (index heads, rows, tiled, emit_table, dot)
-GPU_INDEXER_FP8_QUERY_CASES = [(1, 1, False, False, "fma"), (1, 1, False, True, "mma"), (2, 2, False, False, "mma"),
-                               (1, 4, False, True, "fma"), (1, 64, True, True, "mma"), (2, 4, True, False, "fma"),
+
+
+# e4m3fn index queries against an e4m3fn cache (fp8_queries): (index heads, rows, tiled, emit_table, dot);
+# on tensor cores each shape both ways (the served row's dot is one of them)
+GPU_INDEXER_FP8_QUERY_TENSOR_CORE = [(1, 1, False, True), (2, 2, False, False), (4, 1, False, False), (1, 4, False, True),
+                                     (1, 64, True, True), (2, 32, True, False), (4, 16, True, True)]
+GPU_INDEXER_FP8_QUERY_CASES = [(1, 1, False, False, "fma"), (1, 4, False, True, "fma"), (2, 4, True, False, "fma"),
                                (1, 1, False, True, "mfma"), (1, 2, False, False, "mfma"), (1, 3, False, True, "mfma"),
                                (1, 4, False, False, "mfma"), (2, 1, False, False, "mfma"), (2, 2, False, False, "mfma"),
                                (4, 1, False, True, "mfma"), (1, 32, True, True, "mfma"), (2, 16, True, True, "mfma"),
-                               (4, 8, True, False, "mfma"), (1, 1, False, True, "mma-e4m3"),
-                               (2, 2, False, False, "mma-e4m3"), (4, 1, False, False, "mma-e4m3"),
-                               (1, 4, False, True, "mma-e4m3"), (1, 64, True, True, "mma-e4m3"),
-                               (2, 32, True, False, "mma-e4m3"), (4, 16, True, True, "mma-e4m3")]
+                               (4, 8, True, False, "mfma")] + \
+    [(*c, dot) for c in GPU_INDEXER_FP8_QUERY_TENSOR_CORE for dot in ("mma-e4m3", "mma-bf16dot")]
 
 GPU_SERVING_CASES = (
     ("bf16", "bf16", "interleaved", 1, "tensor"),
@@ -142,7 +145,8 @@ def gpu_test_specs():
     # the hand-made request and the long contexts (bf16 keys: 64 and 8,192 columns)
     specs.append(gpu_indexer_spec(indexer_config(1, "bf16", "bf16"), dot="mfma"))
     specs.append(gpu_indexer_spec(indexer_config(1, "fp8_e4m3fn", "bf16"), dot="mfma", fp8_queries=True))
-    specs.append(gpu_indexer_spec(indexer_config(1, "fp8_e4m3fn", "bf16"), dot="mma-e4m3", fp8_queries=True))
+    specs += [gpu_indexer_spec(indexer_config(1, "fp8_e4m3fn", "bf16"), dot=dot, fp8_queries=True)
+              for dot in ("mma-e4m3", "mma-bf16dot")]
     # runtime.Indexer's for an e4m3fn cache's e4m3fn queries (what the vLLM plugin serves it with)
     specs += indexer_set(indexer_config(1, "fp8_e4m3fn", "bf16"), "cuda", fp8_queries=True).specs()
     for kv in ("bf16", "fp8_e4m3fn"):  # runtime.Indexer's, and the benchmark's (both dots: its A/B)

@@ -1535,10 +1535,11 @@ def test_the_gpu_indexer_ranks_the_hand_made_request(cuda_kernels, dot):
     assert got[0, 0].tolist() == [4, 1, 2, 0, 3] + [-1] * 11
 
 
-def test_the_e4m3_dot_ranks_the_hand_made_request(cuda_kernels):
-    """The hand-made request in e4m3fn, queries and keys, on the tensor cores' e4m3 dot: block 0
-    scores 1, blocks 1 and 2 tie at 3, block 3 holds a NaN, block 4 scores -5, the own block (4)
-    forced local: [4, 1, 2, 0, 3, -1, ...]."""
+@pytest.mark.parametrize("dot", ["mma-e4m3", "mma-bf16dot"])
+def test_the_tensor_cores_rank_the_hand_made_request_in_e4m3fn(cuda_kernels, dot):
+    """The hand-made request in e4m3fn, queries and keys, on the tensor cores' e4m3 dot (and
+    converted for their bf16 dot): block 0 scores 1, blocks 1 and 2 tie at 3, block 3 holds a NaN,
+    block 4 scores -5, the own block (4) forced local: [4, 1, 2, 0, 3, -1, ...]."""
     fn = torch.float8_e4m3fn
     q = torch.zeros(1, 1, 128).to(fn)
     q[0, 0, 0] = 1
@@ -1548,8 +1549,8 @@ def test_the_e4m3_dot_ranks_the_hand_made_request(cuda_kernels):
     keys = keys.to(fn)
     table, req, pos = torch.arange(5, dtype=torch.int32)[None], torch.zeros(1, dtype=torch.int32), \
         torch.tensor([4 * 128 + 10], dtype=torch.int32)
-    spec = gpu_cases.gpu_indexer_spec(indexer_config(1, "fp8_e4m3fn", "bf16"), dot="mma-e4m3", fp8_queries=True)
-    assert spec.e4m3_dot
+    spec = gpu_cases.gpu_indexer_spec(indexer_config(1, "fp8_e4m3fn", "bf16"), dot=dot, fp8_queries=True)
+    assert spec.e4m3_dot == (dot == "mma-e4m3")
     got = _gpu_topk(cuda_kernels, spec, q.view(torch.uint8), keys, table, req, pos)
     assert got[0, 0].tolist() == [4, 1, 2, 0, 3] + [-1] * 11
 

@@ -377,19 +377,31 @@ def test_gfx942_index_insert_isa(tmp_path):
         assert f["scratch_bytes"] == 0 and f["scratch_ops"] == 0 and f["lds_bytes"] == 0, f
 
 
-@pytest.mark.parametrize("spec", [GPU_INDEXER_MMA[0], GPU_INDEXER_MMA[3], GPU_INDEXER_MMA[7]], ids=lambda s: s.name)
+def e4m3_dot(spec, on: bool):
+    """`spec` with the tuning row's mma_e4m3_dot set to `on`."""
+    return dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning_row, mma_e4m3_dot=on))
+
+
+@pytest.mark.parametrize("spec", [GPU_INDEXER_MMA[0], GPU_INDEXER_MMA[3], GPU_INDEXER_MMA[7],
+                                  e4m3_dot(GPU_INDEXER_MMA[7], False)], ids=lambda s: s.name)
 def test_the_mma_indexer_ptx_scores_on_tensor_cores(tmp_path, spec):
     """dot="mma": @score's 8 k-steps a tile of 16 positions as bf16 m16n8k16, TILES tiles a loop
     step, the keys in 16-byte loads; fp8 keys (and fp8_queries' queries: 8 conversions for each of
     their 2 chunks of 16 bytes) converted by cvt.rn.f16x2.e4m3x2 (sm_89) and moved to bf16 without
-    IREE's rounding emulation (whose NaN constant 0x7FC0 would show); no lane-wise products
-    (fma.rn.f32) left in the score."""
+    IREE's rounding emulation (whose NaN constant 0x7FC0 would show); e4m3fn queries over e4m3fn
+    keys on the e4m3 dot (the served row's mma_e4m3_dot): 4 k-steps of m16n8k32 e4m3 a tile and
+    nothing converted; no lane-wise products (fma.rn.f32) left in the score."""
     ptx, score = _entry_ptx(tmp_path, spec, "score")
     tiles = spec.tiles
-    assert score.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * tiles
     chunks = 2 * (4 if not spec.cfg.is_fp8 else 2)   # a tile's two positions, 16 bytes a chunk
     assert score.count("ld.global.nc.v4") >= chunks * tiles
     assert "fma.rn.f32" not in score and "0x7FC0" not in score
+    assert spec.e4m3_dot == (spec.fp8_queries and spec.tuning_row.mma_e4m3_dot)
+    if spec.e4m3_dot:
+        assert score.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32") == 4 * tiles
+        assert "m16n8k16" not in score and "cvt.rn.f16x2.e4m3x2" not in score and ".target sm_89" in ptx
+        return
+    assert score.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * tiles
     if spec.cfg.is_fp8:
         queries = 2 * 8 if spec.fp8_queries else 0  # (one column group: rows x heads <= 8)
         assert ".target sm_89" in ptx and score.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 8 * tiles + queries
@@ -408,39 +420,48 @@ def _ptxas_report(tmp_path, ptx) -> dict:
 
 
 @pytest.mark.skipif(PTXAS is None, reason=MISSING)
-@pytest.mark.parametrize("kv, rows", [("bf16", 1), ("bf16", 4), ("fp8_e4m3fn", 1)])
-def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows):
+@pytest.mark.parametrize("kv, rows, fp8_queries", [("bf16", 1, False), ("bf16", 4, False), ("fp8_e4m3fn", 1, False),
+                                                   ("fp8_e4m3fn", 1, True), ("fp8_e4m3fn", 4, True)])
+def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows, fp8_queries):
     """The served decode @score on tensor cores (two workgroups an SM: at most 128 registers)
     holds everything in registers for sm_90: the split size reaches it through a lane-0 shuffle,
     where a size LLVM could bound (at least MIN_BPS) had ptxas spill the bf16 score at 128
-    registers (1.26-1.33x slower on the H200, benchmarks/PERF.md)."""
-    spec = K.IndexTopkGpuSpec(MsaConfig(kv_dtype=kv), 16, 0, 1, rows=rows, dot="mma")
+    registers (1.26-1.33x slower on the H200, benchmarks/PERF.md); e4m3fn queries on the e4m3 dot
+    with mma_tiles_e4m3 tiles in flight."""
+    spec = K.IndexTopkGpuSpec(MsaConfig(kv_dtype=kv), 16, 0, 1, rows=rows, dot="mma", fp8_queries=fp8_queries)
     ptx, score = _entry_ptx(tmp_path, spec, "score")
     report = _ptxas_report(tmp_path, ptx)["score"]
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert "shfl.sync.idx" in score
 
 
-# the tiled launches CUDA serves for an e4m3fn index cache: bf16 queries, e4m3fn queries (vLLM's)
+# the tiled launches CUDA serves for an e4m3fn index cache: bf16 queries, e4m3fn queries (vLLM's:
+# on the e4m3 dot, and converted for the bf16 dot)
 TILED_FP8 = K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 0, 1, rows=64, tiled=True, dot="mma")
 TILED_FP8_QUERIES = dataclasses.replace(TILED_FP8, fp8_queries=True)
+TILED_LDS = [TILED_FP8, e4m3_dot(TILED_FP8_QUERIES, True), e4m3_dot(TILED_FP8_QUERIES, False)]
+TILED_LDS_IDS = ["bf16_queries", "fp8_queries_e4m3_dot", "fp8_queries_bf16_dot"]
 
 
-@pytest.mark.parametrize("spec", [TILED_FP8, TILED_FP8_QUERIES], ids=["bf16_queries", "fp8_queries"])
+@pytest.mark.parametrize("spec", TILED_LDS, ids=TILED_LDS_IDS)
 def test_a_tiled_mma_indexer_over_fp8_keys_takes_its_queries_from_lds(tmp_path, spec):
     """INDEXER_TILED's mma_queries_lds_fp8: the tiled workgroup's 64 columns are one team's (8 groups
-    of the m16n8k16's 8), their B fragments staged once (one 8-byte LDS store an entry; e4m3fn
-    queries converted to bf16 there, 4 bytes in two conversions) and read per tile (one 8-byte LDS
-    load a fragment, inside the tile loop: 64 a tile), so a tile takes 64 mma and each block's keys
-    are converted once; bf16 keys keep their queries in registers (two teams a block)."""
+    of the mma's 8), their B fragments staged once (one 8-byte LDS store an entry; e4m3fn queries
+    for the bf16 dot converted there, 4 bytes in two conversions) and read per tile (one 8-byte LDS
+    load a fragment, inside the tile loop: 8 groups x 8 k-steps of m16n8k16 bf16 a tile, or on the
+    e4m3 dot 8 x 4 of m16n8k32 e4m3, its keys not converted), so each block's keys are read (and
+    converted) once; bf16 keys keep their queries in registers (two teams a block)."""
     assert spec.queries_in_lds and spec.column_sets == 1 and spec.tiles == 1 and ".qlds" in spec.name
     bf16 = dataclasses.replace(spec, cfg=MsaConfig(kv_dtype="bf16"), fp8_queries=False)
     assert not bf16.queries_in_lds and bf16.column_sets == 2 and ".qlds" not in bf16.name
     _, score = _entry_ptx(tmp_path, spec, "score")
-    assert score.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 64
-    assert score.count("ld.shared.v2.b32") == 64 and score.count("st.shared.b64") == 1
-    # one tile's two chunks of 16 keys a lane, and (e4m3fn queries) the staging loop's 4 bytes
-    assert score.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 8 + (2 if spec.fp8_queries else 0)
+    steps = 4 if spec.e4m3_dot else 8
+    mma = "m16n8k32.row.col.f32.e4m3.e4m3" if spec.e4m3_dot else "m16n8k16.row.col.f32.bf16.bf16"
+    assert score.count(f"mma.sync.aligned.{mma}.f32") == 8 * steps
+    assert score.count("ld.shared.v2.b32") == 8 * steps and score.count("st.shared.b64") == 1
+    # bf16 dot: one tile's two chunks of 16 keys a lane, and (e4m3fn queries) the staging loop's 4 bytes
+    converted = 0 if spec.e4m3_dot else 2 * 2 * 8 + (2 if spec.fp8_queries else 0)
+    assert score.count("cvt.rn.f16x2.e4m3x2") == converted
 
 
 @pytest.mark.skipif(PTXAS is None, reason=MISSING)
@@ -450,6 +471,15 @@ def test_a_tiled_indexer_with_its_queries_in_lds_scores_without_spills(tmp_path,
     ptx, _ = _entry_ptx(tmp_path, spec, "score")
     report = _ptxas_report(tmp_path, ptx)["score"]
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def test_cuda_serves_e4m3fn_queries_on_the_e4m3_dot_in_decode_and_from_lds_in_query_tiles():
+    """The tuning rows' choice for e4m3fn queries over an e4m3fn cache: a decode step on the e4m3
+    dot (queries in registers, mma_tiles_e4m3 tiles), query tiles on the bf16 dot with the queries
+    converted as they are staged in LDS (decision record in benchmarks/PERF.md)."""
+    served = K.indexer_set(MsaConfig(kv_dtype="fp8_e4m3fn"), "cuda", fp8_queries=True)
+    assert all(s.e4m3_dot and not s.queries_in_lds and s.tiles == 2 for s in served.topk_gpu.values())
+    assert all(not s.e4m3_dot and s.queries_in_lds for s in served.topk_gpu_tiled.values())
 
 
 def test_the_mma_indexer_is_cuda_only_and_cuda_serves_it():

@@ -195,9 +195,9 @@ class IndexTopkGpuSpec(TemplateSpec):
 
     @property
     def queries_in_lds(self) -> bool:
-        """A tiled tensor-core workgroup's queries over an e4m3fn cache (bf16, or e4m3fn converted
-        exactly to bf16 as they are staged) as mma B fragments in LDS (the tuning row's
-        mma_queries_lds_fp8)."""
+        """A tiled tensor-core workgroup's queries over an e4m3fn cache (bf16; e4m3fn as they are
+        for the e4m3 dot, else converted exactly to bf16 as they are staged) as mma B fragments in
+        LDS (the tuning row's mma_queries_lds_fp8)."""
         return self.tiled and self.dot == "mma" and self.cfg.is_fp8 and self.tuning_row.mma_queries_lds_fp8
 
     @property
@@ -209,7 +209,7 @@ class IndexTopkGpuSpec(TemplateSpec):
     @property
     def tiles(self) -> int:
         """@score's tiles of 16 positions in flight a warp or wave (the tuning row's, by dot)."""
-        return self.tuning_row.tiles_for(self.cfg.is_fp8, self.dot, self.queries_in_lds)
+        return self.tuning_row.tiles_for(self.cfg.is_fp8, self.dot, self.queries_in_lds, self.e4m3_dot)
 
     @property
     def column_sets(self) -> int:

@@ -181,8 +181,12 @@ class IndexerTuning:
     mma_tiles_lds: int = 1
     # dot="mma" with e4m3fn queries over an e4m3fn cache: the tensor cores' e4m3 x e4m3 dot
     # (m16n8k32 into f32), neither side converted, in place of both converted exactly to bf16 for
-    # the bf16 dot (m16n8k16)
+    # the bf16 dot (m16n8k16); with mma_tiles_e4m3 tiles of 16 positions in flight a warp where
+    # the queries are in registers. On sm_90 ptxas lowers the e4m3 mma to an e4m3 -> f16 conversion
+    # of both operands and an f16 HMMA, which still drops the bf16 path's f16 -> f32 -> bf16 steps
+    # (decision record in benchmarks/PERF.md)
     mma_e4m3_dot: bool = False
+    mma_tiles_e4m3: int = 2
     # dot="mfma" (gfx942 matrix cores): tiles of 16 positions a wave has in flight, and a tiled
     # workgroup's (token, head) pairs (groups of the MFMA's 16 columns sharing each key fragment)
     mfma_tiles: int = 2
@@ -208,10 +212,10 @@ class IndexerTuning:
         if self.grid_workgroups is not None and self.grid_workgroups < 1:
             raise ValueError(f"IndexerTuning.grid_workgroups: expected >= 1 workgroups of @score, got "
                              f"{self.grid_workgroups}")
-        if any(t not in (1, 2, 4, 8) for t in (self.mma_tiles, self.mma_tiles_fp8, self.mma_tiles_lds)):
-            raise ValueError(f"IndexerTuning.mma_tiles, mma_tiles_fp8, mma_tiles_lds: expected 1, 2, 4 or 8 (a divisor "
-                             f"of a block's 8 tiles of 16 positions), got {self.mma_tiles}, {self.mma_tiles_fp8}, "
-                             f"{self.mma_tiles_lds}")
+        tiles = (self.mma_tiles, self.mma_tiles_fp8, self.mma_tiles_lds, self.mma_tiles_e4m3)
+        if any(t not in (1, 2, 4, 8) for t in tiles):
+            raise ValueError(f"IndexerTuning.mma_tiles, mma_tiles_fp8, mma_tiles_lds, mma_tiles_e4m3: expected 1, 2, 4 "
+                             f"or 8 (a divisor of a block's 8 tiles of 16 positions), got {tiles}")
         if self.tile_row_heads_mma not in (8, 16, 32, 64):
             raise ValueError(f"IndexerTuning.tile_row_heads_mma: expected 8, 16, 32 or 64 (groups of an m16n8k16's "
                              f"8 columns, at most 4 a team, at most 2 teams a block), got {self.tile_row_heads_mma}")
@@ -236,10 +240,12 @@ class IndexerTuning:
         # an fp8 load decodes into twice the registers of a bf16 one
         return max(2 if fp8 else 4, self.key_loads // (2 if fp8 else 1) // (rows * heads))
 
-    def tiles_for(self, fp8: bool, dot: str = "mma", queries_in_lds: bool = False) -> int:
+    def tiles_for(self, fp8: bool, dot: str = "mma", queries_in_lds: bool = False, e4m3_dot: bool = False) -> int:
         if dot == "mfma":
             return self.mfma_tiles
-        return self.mma_tiles_lds if queries_in_lds else self.mma_tiles_fp8 if fp8 else self.mma_tiles
+        if queries_in_lds:
+            return self.mma_tiles_lds
+        return self.mma_tiles_e4m3 if e4m3_dot else self.mma_tiles_fp8 if fp8 else self.mma_tiles
 
     def rows_for(self, decode_query_len: int, num_index_heads: int) -> int:
         """Tokens of a request scored together in a decode step of L = decode_query_len tokens a
@@ -291,7 +297,9 @@ INDEXER_TILED = dataclasses.replace(INDEXER, min_blocks_per_split=16, tile_row_h
 # rows keep a workgroup a split: the loop took gfx942's @score past 128 VGPRs (fewer than 4 waves
 # a SIMD) or into scratch, and the tiled row's CUDA score into more spills (decision record in
 # benchmarks/PERF.md)
-INDEXER_MMA = dataclasses.replace(INDEXER, min_blocks_per_split=16, grid_workgroups=1024)
+# e4m3fn queries over an e4m3fn cache take the e4m3 dot, two tiles in flight (a tiled launch keeps
+# the bf16 dot on its LDS-staged queries, faster there: decision record)
+INDEXER_MMA = dataclasses.replace(INDEXER, min_blocks_per_split=16, grid_workgroups=1024, mma_e4m3_dot=True)
 
 
 def indexer_tuning(dot: str, tiled: bool) -> IndexerTuning:
