@@ -54,9 +54,13 @@ def gpu_indexer_spec(cfg, *args, dot="fma", **kwargs):
     taking the row's own)."""
     from msa_iree.ops import IndexTopkGpuSpec
     if dot in ("mma-e4m3", "mma-bf16dot"):
-        spec = IndexTopkGpuSpec(cfg, *args, dot="mma", **kwargs)
-        return dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning_row, mma_e4m3_dot=dot == "mma-e4m3"))
+        return with_e4m3_dot(IndexTopkGpuSpec(cfg, *args, dot="mma", **kwargs), dot == "mma-e4m3")
     return IndexTopkGpuSpec(cfg, *args, dot=dot, emulate_mfma=dot == "mfma", **kwargs)
+
+
+def with_e4m3_dot(spec, on: bool):
+    """`spec` (an IndexTopkGpuSpec) with its tuning row's mma_e4m3_dot set to `on`."""
+    return dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning_row, mma_e4m3_dot=on))
 
 
 # e4m3fn index queries against an e4m3fn cache (fp8_queries): (index heads, rows, tiled, emit_table, dot);

@@ -6,6 +6,7 @@ import re
 import subprocess
 
 import pytest
+from gpu_cases import with_e4m3_dot
 from toolchain import MISSING, PTXAS
 
 from msa_iree import compile as C
@@ -377,13 +378,8 @@ def test_gfx942_index_insert_isa(tmp_path):
         assert f["scratch_bytes"] == 0 and f["scratch_ops"] == 0 and f["lds_bytes"] == 0, f
 
 
-def e4m3_dot(spec, on: bool):
-    """`spec` with the tuning row's mma_e4m3_dot set to `on`."""
-    return dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning_row, mma_e4m3_dot=on))
-
-
 @pytest.mark.parametrize("spec", [GPU_INDEXER_MMA[0], GPU_INDEXER_MMA[3], GPU_INDEXER_MMA[7],
-                                  e4m3_dot(GPU_INDEXER_MMA[7], False)], ids=lambda s: s.name)
+                                  with_e4m3_dot(GPU_INDEXER_MMA[7], False)], ids=lambda s: s.name)
 def test_the_mma_indexer_ptx_scores_on_tensor_cores(tmp_path, spec):
     """dot="mma": @score's 8 k-steps a tile of 16 positions as bf16 m16n8k16, TILES tiles a loop
     step, the keys in 16-byte loads; fp8 keys (and fp8_queries' queries: 8 conversions for each of
@@ -439,7 +435,7 @@ def test_the_decode_indexer_scores_without_spills(tmp_path, kv, rows, fp8_querie
 # on the e4m3 dot, and converted for the bf16 dot)
 TILED_FP8 = K.IndexTopkGpuSpec(MsaConfig(kv_dtype="fp8_e4m3fn"), 16, 0, 1, rows=64, tiled=True, dot="mma")
 TILED_FP8_QUERIES = dataclasses.replace(TILED_FP8, fp8_queries=True)
-TILED_LDS = [TILED_FP8, e4m3_dot(TILED_FP8_QUERIES, True), e4m3_dot(TILED_FP8_QUERIES, False)]
+TILED_LDS = [TILED_FP8, with_e4m3_dot(TILED_FP8_QUERIES, True), with_e4m3_dot(TILED_FP8_QUERIES, False)]
 TILED_LDS_IDS = ["bf16_queries", "fp8_queries_e4m3_dot", "fp8_queries_bf16_dot"]
 
 
